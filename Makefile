@@ -1,0 +1,43 @@
+# The two commands of the README: `make demo` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench install browser clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || (echo "need $(PY)"; exit 1)
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first: the CPU wheel on this machine; other specs pull a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's chromium for the browser tests (Playwright cannot download its own here).
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+demo: $(STAMP)
+	$(BIN)/python manage.py demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The suite runs against PostgreSQL and Redis on 127.0.0.1 (override with the env vars).
+test: $(STAMP) browser
+	$(BIN)/ruff check .
+	DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/diloco} \
+	REDIS_URL=$${TEST_REDIS_URL:-redis://127.0.0.1:6379/0} \
+	DJANGO_ALLOW_ASYNC_UNSAFE=true \
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python -m trainer.bench all --json bench/results/all.json --plot-dir bench/results
+
+clean:
+	rm -rf var test-artifacts

@@ -1,0 +1,48 @@
+"""/healthz: the state of the database, the broker and the channel layer, as JSON."""
+from __future__ import annotations
+
+import asyncio
+
+from django.conf import settings
+from django.db import connection
+from django.http import JsonResponse
+
+
+def _database() -> str:
+    with connection.cursor() as cur:
+        cur.execute("SELECT 1")
+    return "ok"
+
+
+def _broker() -> str:
+    if not settings.REDIS_URL:
+        return "ok (filesystem)"
+    import redis
+
+    redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=1, socket_timeout=1).ping()
+    return "ok (redis)"
+
+
+def _channel_layer() -> str:
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+
+    async def roundtrip() -> None:
+        name = await layer.new_channel()
+        await layer.send(name, {"type": "healthz.ping"})
+        await layer.receive(name)
+
+    asyncio.run(asyncio.wait_for(roundtrip(), timeout=2))
+    return "ok (" + type(layer).__name__ + ")"
+
+
+def healthz(request):
+    checks, ok = {}, True
+    for name, probe in (("database", _database), ("broker", _broker), ("channel_layer", _channel_layer)):
+        try:
+            checks[name] = probe()
+        except Exception as exc:  # noqa: BLE001 - any failure means "down"
+            checks[name] = f"down: {type(exc).__name__}: {exc}"[:300]
+            ok = False
+    return JsonResponse({"status": "ok" if ok else "degraded", "checks": checks}, status=200 if ok else 503)

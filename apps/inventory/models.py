@@ -1,0 +1,148 @@
+"""Fleet inventory: accelerator catalogue, pools of devices, nodes (worker hosts)."""
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from django.db import models
+from django.utils import timezone
+
+
+class AcceleratorType(models.Model):
+    """A kind of accelerator with its public figures (vendor datasheets)."""
+
+    class Kind(models.TextChoices):
+        GPU = "gpu", "GPU"
+        TPU = "tpu", "TPU"
+        CPU = "cpu", "CPU"
+
+    slug = models.SlugField(max_length=40, unique=True)
+    vendor = models.CharField(max_length=40)
+    model = models.CharField(max_length=80)
+    kind = models.CharField(max_length=8, choices=Kind.choices, default=Kind.GPU)
+    generation = models.CharField(max_length=40, help_text="architecture, e.g. Hopper, v5p")
+    year = models.PositiveIntegerField()
+    memory_gib = models.FloatField()
+    peak_bf16_tflops = models.FloatField(help_text="peak dense bf16 TFLOP/s per device")
+    tdp_watts = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["-year", "vendor", "model"]
+
+    def __str__(self) -> str:
+        return f"{self.vendor} {self.model}"
+
+
+class Pool(models.Model):
+    """A pool of identical accelerators in one place, served by one Celery queue."""
+
+    class Provider(models.TextChoices):
+        ONPREM = "onprem", "On-prem"
+        AWS = "aws", "AWS"
+        GCP = "gcp", "Google Cloud"
+        AZURE = "azure", "Azure"
+        OTHER = "other", "Other cloud"
+
+    class State(models.TextChoices):
+        ACTIVE = "active", "Active"
+        DRAINING = "draining", "Draining"
+        DISABLED = "disabled", "Disabled"
+
+    slug = models.SlugField(max_length=40, unique=True)
+    name = models.CharField(max_length=100)
+    region = models.CharField(max_length=60)
+    provider = models.CharField(max_length=10, choices=Provider.choices, default=Provider.ONPREM)
+    accelerator = models.ForeignKey(AcceleratorType, on_delete=models.PROTECT, related_name="pools")
+    device_count = models.PositiveIntegerField()
+    cost_per_device_hour = models.DecimalField(max_digits=10, decimal_places=4, default=0)
+    link_gbps = models.FloatField(help_text="link bandwidth to the coordinator, Gbit/s")
+    latency_ms = models.FloatField(default=1.0, help_text="latency to the coordinator, ms")
+    speed_factor = models.FloatField(
+        default=1.0,
+        help_text="throttle for demo pools that stand for older generations on one CPU (1 = full)",
+    )
+    state = models.CharField(max_length=10, choices=State.choices, default=State.ACTIVE)
+    notes = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+    @property
+    def queue(self) -> str:
+        return f"pool.{self.slug}"
+
+    @property
+    def total_peak_tflops(self) -> float:
+        return self.device_count * self.accelerator.peak_bf16_tflops
+
+    @property
+    def total_watts(self) -> int:
+        return self.device_count * self.accelerator.tdp_watts
+
+    @property
+    def cost_per_hour(self) -> float:
+        return float(self.cost_per_device_hour) * self.device_count
+
+
+class PoolToken(models.Model):
+    """A worker credential scoped to one pool; only its hash is stored."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="tokens")
+    prefix = models.CharField(max_length=8)
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.pool.slug}:{self.prefix}…"
+
+    @staticmethod
+    def hash(raw: str) -> str:
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    @classmethod
+    def issue(cls, pool: Pool) -> tuple[PoolToken, str]:
+        raw = f"pt_{pool.slug}_{secrets.token_urlsafe(24)}"
+        return cls.objects.create(pool=pool, prefix=raw[-8:], key_hash=cls.hash(raw)), raw
+
+    @classmethod
+    def authenticate(cls, raw: str) -> Pool | None:
+        tok = (
+            cls.objects.select_related("pool")
+            .filter(key_hash=cls.hash(raw or ""), revoked_at__isnull=True)
+            .first()
+        )
+        return tok.pool if tok else None
+
+
+class Node(models.Model):
+    """A worker host of a pool; registers itself when its Celery worker starts."""
+
+    class State(models.TextChoices):
+        ONLINE = "online", "Online"
+        DRAINING = "draining", "Draining"
+        OFFLINE = "offline", "Offline"
+        LOST = "lost", "Lost"
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="nodes")
+    hostname = models.CharField(max_length=255)
+    worker_name = models.CharField(max_length=255, unique=True)
+    devices = models.JSONField(default=list, blank=True, help_text="devices detected at start")
+    device_count = models.PositiveIntegerField(default=1)
+    agent_version = models.CharField(max_length=40, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.ONLINE)
+    registered_at = models.DateTimeField(default=timezone.now)
+    last_seen = models.DateTimeField(default=timezone.now)
+    measured_tokens_per_s = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["pool__slug", "hostname"]
+
+    def __str__(self) -> str:
+        return self.worker_name

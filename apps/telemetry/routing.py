@@ -1,0 +1,2 @@
+"""Websocket routes (learners, coordinator and dashboards)."""
+websocket_urlpatterns: list = []

@@ -1,0 +1,120 @@
+"""The job spec: one schema shared by the API, the dashboard form, the CLI and the engine.
+
+Every field is bounded so a hostile or mistaken spec is refused with a field-level
+message before anything runs. Checks that need the platform (data roots, inventory)
+happen in `apps.jobs.spec`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MODEL_PRESETS = ("tiny", "small", "base")
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NAME_RE = re.compile(r"^[\w .,:()+/@-]+$")
+
+Strategy = Literal["decoupled", "diloco"]
+Compression = Literal["none", "bf16", "int8", "int4"]
+Objective = Literal["time", "energy", "cost"]
+
+
+class JobSpec(BaseModel):
+    """A training job. Defaults give the demo job: tiny GPT on the stdlib corpus."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+    name: str = Field("demo", min_length=1, max_length=100)
+    strategy: Strategy = "decoupled"
+    model: str = Field("tiny", max_length=200, description="preset or package.module:factory")
+    dataset: str = Field("stdlib", max_length=500, description="'stdlib' or a path under a data root")
+    learners: int = Field(4, ge=1, le=64, description="M: number of learners")
+    min_learners: int | None = Field(None, ge=1, le=64)
+    max_learners: int | None = Field(None, ge=1, le=64)
+    inner_steps: int = Field(20, ge=1, le=10_000, description="H: inner steps per outer round")
+    fragments: int = Field(1, ge=1, le=64, description="P: fragments synced on a staggered schedule")
+    quorum: int | None = Field(None, ge=1, le=64, description="K: minimum contributions per merge")
+    outer_lr: float = Field(0.7, gt=0, le=2.0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1.0)
+    inner_lr: float = Field(3e-3, gt=0, le=1.0)
+    weight_decay: float = Field(0.1, ge=0, le=1.0)
+    warmup_steps: int = Field(20, ge=0, le=100_000)
+    grad_clip: float = Field(1.0, gt=0, le=1000)
+    batch_size: int = Field(16, ge=1, le=1024)
+    seq_len: int = Field(64, ge=8, le=8192)
+    steps: int = Field(400, ge=1, le=10_000_000, description="inner steps per learner (budget)")
+    max_tokens: int | None = Field(None, ge=1, le=10**15, description="optional token budget")
+    compression: Compression = "none"
+    objective: Objective = "time"
+    checkpoint_interval: int = Field(10, ge=1, le=100_000, description="outer steps between checkpoints")
+    eval_interval: int = Field(5, ge=1, le=100_000, description="outer steps between evaluations")
+    max_staleness: int = Field(4, ge=0, le=1000, description="versions behind before dropped")
+    grace_cap_s: float = Field(2.0, ge=0, le=3600)
+    pools: list[str] = Field(default_factory=list, max_length=64, description="restrict placement")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError("use letters, digits, spaces and . , : ( ) + / @ - only")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if v not in MODEL_PRESETS and not _FACTORY_RE.match(v):
+            raise ValueError(f"must be one of {', '.join(MODEL_PRESETS)} or 'package.module:factory'")
+        return v
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, v: str) -> str:
+        if "\x00" in v or not v:
+            raise ValueError("must be 'stdlib' or a file path")
+        return v
+
+    @field_validator("pools")
+    @classmethod
+    def _pools(cls, v: list[str]) -> list[str]:
+        for slug in v:
+            if not re.match(r"^[-a-zA-Z0-9_]{1,40}$", slug):
+                raise ValueError(f"{slug!r} is not a pool slug")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.quorum is None:
+            self.quorum = max(1, self.learners // 2)
+        if self.quorum > self.learners:
+            raise ValueError("quorum: must not exceed learners")
+        if self.fragments > self.inner_steps:
+            raise ValueError("fragments: must not exceed inner_steps (one sync per step at most)")
+        lo = self.min_learners or self.learners
+        hi = self.max_learners or self.learners
+        if not lo <= self.learners <= hi:
+            raise ValueError("learners: must lie between min_learners and max_learners")
+        if self.quorum > lo:
+            raise ValueError("quorum: must not exceed min_learners")
+        return self
+
+    @property
+    def total_tokens(self) -> int:
+        """Token budget of the whole job (all learners)."""
+        by_steps = self.learners * self.steps * self.batch_size * self.seq_len
+        return min(by_steps, self.max_tokens) if self.max_tokens else by_steps
+
+
+def spec_errors(exc: ValidationError) -> dict[str, list[str]]:
+    """Field path -> messages, the shape the API, form and CLI all show."""
+    out: dict[str, list[str]] = {}
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "non_field_errors"
+        msg = err["msg"].removeprefix("Value error, ")
+        if ":" in msg and loc == "non_field_errors":
+            field, _, rest = msg.partition(":")
+            if field.isidentifier():
+                loc, msg = field, rest.strip()
+        out.setdefault(loc, []).append(msg)
+    return out
