@@ -1,0 +1,62 @@
+"""What users can do to jobs; the API, the dashboard and the CLI all call these.
+
+The runtime (apps.coordinator) reacts to the status changes made here: it places a
+queued job, stops learners of a cancelled or paused one, resumes a paused one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from . import state as st
+from .models import Event, Job
+from .spec import validate_spec
+
+
+def _kick_coordinator(job_id: int) -> None:
+    """Tell the coordinator to look at this job now (it also polls on its own)."""
+    from apps.coordinator import tasks  # late import: coordinator imports jobs
+
+    kick = getattr(tasks, "reconcile_job", None)
+    if kick is not None:
+        transaction.on_commit(lambda: kick.delay(job_id))
+
+
+def submit_job(owner, spec_data: Any, idempotency_key: str | None = None, team: str = "") -> tuple[Job, bool]:
+    """Validate and create a job; returns (job, created). A repeated key returns the first job."""
+    if idempotency_key:
+        existing = Job.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+        if existing:
+            return existing, False
+    spec = validate_spec(spec_data)
+    try:
+        with transaction.atomic():
+            job = Job.objects.create(
+                owner=owner, team=team, name=spec.name, spec=spec.model_dump(mode="json"),
+                idempotency_key=idempotency_key or None,
+            )
+            Event.objects.create(job=job, kind=Event.Kind.STATUS, message="submitted",
+                                 payload={"to": st.QUEUED})
+            _kick_coordinator(job.pk)
+    except IntegrityError:  # a concurrent retry with the same key won the race
+        return Job.objects.get(owner=owner, idempotency_key=idempotency_key), False
+    return job, True
+
+
+def cancel_job(job: Job, reason: str = "cancelled by user") -> Job:
+    job.transition(st.CANCELLED, reason)
+    _kick_coordinator(job.pk)
+    return job
+
+
+def pause_job(job: Job, reason: str = "paused by user") -> Job:
+    job.transition(st.PAUSING, reason)
+    _kick_coordinator(job.pk)
+    return job
+
+
+def resume_job(job: Job, reason: str = "resumed by user") -> Job:
+    job.transition(st.PLACING, reason)
+    _kick_coordinator(job.pk)
+    return job
