@@ -1,0 +1,249 @@
+"""Placement policy: which pool each learner runs on, its inner-step budget and wire dtype.
+
+Pure policy (no Django, no I/O): the coordinator calls it with `PoolInfo` built from the
+inventory, the simulator calls it with pools built from the catalogue.
+
+Model of a learner on a pool:
+- devices per learner d = ceil(model_memory_gib / (0.9 * device memory)), at least 1
+  (unless `devices_per_learner` is given): the learner's model shards over d devices;
+- throughput v = measured tokens/s of that pool if known, else
+  d * peak TFLOP/s * MFU * speed_factor / FLOPs per token;
+- per outer cycle of H inner steps a learner sends and receives every fragment once:
+  2 * P * fragment_bytes / ratio(wire dtype) bytes, overlapped with compute. The wire
+  dtype is the least lossy of none/bf16/int8/int4 whose transfer fits in half the compute
+  time of the cycle (int4 when nothing fits), so communication hides behind compute.
+
+Estimates (`est_time_s`, `est_energy_j`, `est_cost`) assume dynamic local updates: every
+learner computes all the time, so the job's tokens arrive at the summed rate; a learner
+whose link cannot keep up is slowed to its link rate. Energy counts the job's devices at
+TDP while busy; cost counts device-hours.
+
+Objectives:
+- time: maximise the summed throughput (greedy, fastest learner slot first);
+- energy / cost: minimise joules (dollars) per token subject to a time budget of
+  (1 + time_slack) x the time-optimal estimate. Candidates come from a sweep of the
+  scalarised score  e_pool + lam / v_pool  over lam (a Lagrangian relaxation), each filled
+  greedily; the cheapest candidate within the budget wins.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+OBJECTIVES = ("time", "energy", "cost")
+WIRE_RATIO = {"none": 1.0, "bf16": 2.0, "int8": 4.0, "int4": 8.0}  # vs fp32 fragment_bytes
+
+
+class PlacementError(ValueError):
+    """Nothing fits: the message says why (memory, free devices, bad arguments)."""
+
+
+@dataclass
+class PoolInfo:
+    slug: str
+    accelerator: str
+    peak_tflops_per_device: float
+    memory_gib: float
+    watts_per_device: float
+    cost_per_device_hour: float
+    devices_free: int
+    link_gbps: float
+    latency_ms: float = 1.0
+    measured_tokens_per_s: float | None = None  # per learner, for this job's model, when known
+    speed_factor: float = 1.0
+    state: str = "active"
+    mfu: float = 0.4
+    idle_watts_per_device: float | None = None
+
+
+@dataclass
+class Placement:
+    assignments: list[tuple[int, str]]
+    work_sizes: dict[str, int]
+    wire_dtype: dict[str, str]
+    reasons: list[str]
+    est_time_s: float
+    est_energy_j: float
+    est_cost: float
+    devices_per_learner: dict[str, int] = field(default_factory=dict)
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def pools_used(self) -> list[str]:
+        return sorted({p for _, p in self.assignments})
+
+
+def devices_needed(pool: PoolInfo, model_memory_gib: float) -> int:
+    usable = 0.9 * pool.memory_gib
+    if usable <= 0:
+        return 10**9
+    return max(1, math.ceil(model_memory_gib / usable))
+
+
+def learner_tokens_per_s(pool: PoolInfo, devices: int, model_flops_per_token: float) -> float:
+    """Expected compute throughput of one learner on `pool` (tokens/s)."""
+    if pool.measured_tokens_per_s:
+        return float(pool.measured_tokens_per_s)
+    flops = devices * pool.peak_tflops_per_device * 1e12 * pool.mfu * pool.speed_factor
+    return flops / model_flops_per_token
+
+
+def cycle_bytes(fragment_bytes: int, fragments: int, wire: str) -> float:
+    """Bytes one learner moves (up + down) per outer cycle with `wire` dtype."""
+    return 2.0 * fragments * fragment_bytes / WIRE_RATIO[wire]
+
+
+def choose_wire(pool: PoolInfo, compute_cycle_s: float, fragment_bytes: int,
+                fragments: int) -> tuple[str, float]:
+    """Least lossy dtype whose transfer fits in half the compute of a cycle; its transfer time."""
+    bw = max(pool.link_gbps, 1e-9) * 1e9 / 8
+    lat = 2 * fragments * pool.latency_ms / 1e3
+    for wire in ("none", "bf16", "int8", "int4"):
+        t = cycle_bytes(fragment_bytes, fragments, wire) / bw + lat
+        if t <= 0.5 * compute_cycle_s:
+            return wire, t
+    return "int4", cycle_bytes(fragment_bytes, fragments, "int4") / bw + lat
+
+
+@dataclass
+class _Slot:
+    pool: PoolInfo
+    devices: int
+    v: float  # effective tokens/s of one learner (link-limited)
+    wire: str
+    joules_per_token: float
+    dollars_per_token: float
+
+
+def _slots(pools, model_memory_gib, model_flops_per_token, tokens_per_step, base_inner_steps,
+           fragment_bytes, fragments, devices_per_learner):
+    out, reasons = [], []
+    for pool in pools:
+        if pool.state != "active":
+            reasons.append(f"{pool.slug}: skipped, pool is {pool.state}")
+            continue
+        d = devices_per_learner or devices_needed(pool, model_memory_gib)
+        if d * pool.memory_gib * 0.9 < model_memory_gib:
+            reasons.append(f"{pool.slug}: skipped, {model_memory_gib:.1f} GiB does not fit on {d} device(s)")
+            continue
+        if pool.devices_free < d:
+            reasons.append(f"{pool.slug}: skipped, {pool.devices_free} free device(s), a learner needs {d}")
+            continue
+        v = learner_tokens_per_s(pool, d, model_flops_per_token)
+        if v <= 0:
+            continue
+        compute_cycle = base_inner_steps * tokens_per_step / v
+        wire, comm = choose_wire(pool, compute_cycle, fragment_bytes, fragments)
+        if comm > compute_cycle:  # the link cannot keep up even at int4: the learner runs at link speed
+            v = v * compute_cycle / comm
+        out.append(_Slot(pool, d, v, wire, d * pool.watts_per_device / v,
+                         d * pool.cost_per_device_hour / 3600 / v))
+    return out, reasons
+
+
+def _fill(slots: list[_Slot], learners: int, key) -> list[_Slot] | None:
+    free = {s.pool.slug: s.pool.devices_free for s in slots}
+    order = sorted(slots, key=key)
+    chosen: list[_Slot] = []
+    for _ in range(learners):
+        for s in order:
+            if free[s.pool.slug] >= s.devices:
+                free[s.pool.slug] -= s.devices
+                chosen.append(s)
+                break
+        else:
+            return None
+    return chosen
+
+
+def _estimate(chosen: list[_Slot], total_tokens: float) -> tuple[float, float, float]:
+    rate = sum(s.v for s in chosen)
+    t = total_tokens / rate
+    energy = sum(s.devices * s.pool.watts_per_device for s in chosen) * t
+    cost = sum(s.devices * s.pool.cost_per_device_hour for s in chosen) * t / 3600
+    return t, energy, cost
+
+
+def place(learners: int, pools: list[PoolInfo], objective: str = "time", model_memory_gib: float = 1.0,
+          model_flops_per_token: float = 6e6, tokens_per_learner: int = 1_000_000, base_inner_steps: int = 20,
+          fragment_bytes: int = 1 << 20, *, fragments: int = 1, tokens_per_step: int | None = None,
+          devices_per_learner: int | None = None, time_slack: float = 0.10) -> Placement:
+    """Place `learners` learners on `pools` for `objective`; raises PlacementError when nothing fits.
+
+    `tokens_per_step` (one learner's tokens per inner step) sets the cycle length used to
+    pick the wire dtype; by default a cycle is assumed to last 1/100 of the learner's work.
+    """
+    if objective not in OBJECTIVES:
+        raise PlacementError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+    if learners < 1:
+        raise PlacementError("learners must be at least 1")
+    if model_flops_per_token <= 0 or tokens_per_learner <= 0 or base_inner_steps < 1 or fragment_bytes < 0:
+        raise PlacementError("model_flops_per_token, tokens_per_learner, base_inner_steps must be positive")
+    if not 0 <= time_slack <= 10:
+        raise PlacementError("time_slack must lie in [0, 10]")
+    if tokens_per_step is None:
+        tokens_per_step = max(1, tokens_per_learner // (100 * base_inner_steps))
+    slots, reasons = _slots(pools, model_memory_gib, model_flops_per_token, tokens_per_step,
+                            base_inner_steps, fragment_bytes, fragments, devices_per_learner)
+    if not slots:
+        raise PlacementError("no pool can host a learner: " + ("; ".join(reasons) or "no pools given"))
+    total_tokens = float(learners * tokens_per_learner)
+
+    fastest = _fill(slots, learners, key=lambda s: -s.v)
+    if fastest is None:
+        cap = sum(s.pool.devices_free // s.devices for s in slots)
+        raise PlacementError(f"only {cap} learner slot(s) free across pools, {learners} requested")
+    t_best, _, _ = _estimate(fastest, total_tokens)
+    chosen = fastest
+    if objective != "time":
+        unit = (lambda s: s.joules_per_token) if objective == "energy" else (lambda s: s.dollars_per_token)
+        budget = t_best * (1 + time_slack)
+        scale = sum(unit(s) for s in slots) / len(slots) * sum(s.v for s in slots) / len(slots)
+        best = None
+        for k in range(-12, 13):
+            lam = scale * 2.0 ** k
+            cand = _fill(slots, learners, key=lambda s, lam=lam: unit(s) + lam / s.v)
+            if cand is None:
+                continue
+            t, e, c = _estimate(cand, total_tokens)
+            score = e if objective == "energy" else c
+            if t <= budget * (1 + 1e-9) and (best is None or score < best[0] - 1e-12):
+                best = (score, cand)
+        if best is not None:
+            chosen = best[1]
+        reasons.append(f"{objective}: cheapest placement within {time_slack:.0%} of the fastest "
+                       f"estimate ({t_best:.0f} s)")
+    else:
+        reasons.append("time: fastest learner slots first")
+
+    t, e, c = _estimate(chosen, total_tokens)
+    vmax = max(s.v for s in chosen)
+    assignments = [(i, s.pool.slug) for i, s in enumerate(chosen)]
+    work, wire, dev, tps = {}, {}, {}, {}
+    for s in chosen:
+        work[s.pool.slug] = max(1, math.floor(s.v / vmax * base_inner_steps))
+        wire[s.pool.slug] = s.wire
+        dev[s.pool.slug] = s.devices
+        tps[s.pool.slug] = s.v
+    for slug in sorted(work):
+        n = sum(1 for _, p in assignments if p == slug)
+        reasons.append(f"{slug}: {n} learner(s) x {dev[slug]} device(s), ~{tps[slug]:.3g} tok/s each, "
+                       f"H={work[slug]}, wire {wire[slug]}")
+    return Placement(assignments, work, wire, reasons, t, e, c, dev, tps)
+
+
+def pool_from_catalogue(slug: str, accelerator: str, devices_free: int, link_gbps: float,
+                        latency_ms: float = 1.0, **overrides) -> PoolInfo:
+    """A PoolInfo filled from `trainer.catalogue` figures (overrides win)."""
+    from trainer import catalogue
+
+    a = catalogue.get(accelerator)
+    fields = {
+        "slug": slug, "accelerator": accelerator, "peak_tflops_per_device": a.peak_bf16_tflops,
+        "memory_gib": a.memory_gib, "watts_per_device": a.tdp_watts,
+        "cost_per_device_hour": a.cost_per_device_hour,
+        "devices_free": devices_free, "link_gbps": link_gbps, "latency_ms": latency_ms, "mfu": a.mfu,
+        "idle_watts_per_device": a.idle_watts,
+    }
+    fields.update(overrides)
+    return PoolInfo(**fields)
