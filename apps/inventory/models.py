@@ -25,6 +25,9 @@ class AcceleratorType(models.Model):
     memory_gib = models.FloatField()
     peak_bf16_tflops = models.FloatField(help_text="peak dense bf16 TFLOP/s per device")
     tdp_watts = models.PositiveIntegerField()
+    source = models.CharField(
+        max_length=300, blank=True, help_text="where the figures come from; estimates are marked as such"
+    )
 
     class Meta:
         ordering = ["-year", "vendor", "model"]
