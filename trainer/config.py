@@ -1,0 +1,143 @@
+"""Engine-side training settings.
+
+`TrainConfig` is what the engine objects (Learner, Syncer, drivers) read. It is built from the
+platform's job spec with `TrainConfig.from_spec(spec)` or directly (CLI, tests, simulator).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+STRATEGIES = ("single", "ddp", "diloco", "decoupled")
+COMPRESSIONS = ("none", "bf16", "int8", "int4")
+FRAGMENT_MODES = ("strided", "balanced")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"
+    dataset: str = "stdlib"
+    learners: int = 4                 # M
+    inner_steps: int = 20             # H: inner steps between two syncs of one fragment
+    fragments: int = 1                # P
+    quorum: int = 1                   # K: minimum contributions per merge
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    inner_lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    batch_size: int = 16
+    seq_len: int = 64
+    steps: int = 400                  # inner steps per learner (budget)
+    compression: str = "none"         # wire format of contributions
+    max_staleness: int = 4            # versions behind before a contribution is dropped
+    grace_cap_s: float = 2.0          # cap of the adaptive grace window
+    seed: int = 0
+    fragment_mode: str = "strided"
+    rda: bool = False                 # radial-directional averaging of non-embedding tensors
+    mix_alpha: float = 0.5            # share of the progress made meanwhile kept on adoption
+    device: str = "cpu"
+    bf16: bool = False
+    # Beyond the shared contract (all have defaults):
+    betas: tuple[float, float] = (0.9, 0.95)
+    min_lr_ratio: float = 0.1         # cosine decays the inner lr to inner_lr * min_lr_ratio
+    grace_gamma: float = 1.0          # gamma of the grace window
+    overlap_steps: int | None = None  # tau (inner steps of slack); None -> max(1, H // P)
+    staleness_discount: float = 1.0   # weight *= 1 / (1 + discount * staleness)
+    ema_beta: float = 0.8             # smoothing of the syncer's timing estimates
+    eval_batches: int = 8
+    eval_batch_size: int | None = None
+    eval_every: int = 1               # rounds (H inner steps) between validation points
+    max_tokens: int | None = None
+    val_fraction: float = 0.05
+    cache_dir: str | None = None
+    tokenizer: str | None = None      # path to a local tokenizer.json (needs `tokenizers`)
+    max_payload_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def tau(self) -> int:
+        if self.overlap_steps is not None:
+            return self.overlap_steps
+        return max(1, self.inner_steps // max(1, self.fragments))
+
+    def validate(self) -> None:
+        errors: dict[str, str] = {}
+
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                errors.setdefault(name, msg)
+
+        for name in ("learners", "inner_steps", "fragments", "quorum", "batch_size", "seq_len", "steps"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
+                 "must be an integer >= 1")
+        need(self.outer_lr > 0, "outer_lr", "must be > 0")
+        need(0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
+        need(self.inner_lr > 0, "inner_lr", "must be > 0")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(self.grad_clip > 0, "grad_clip", "must be > 0")
+        need(self.compression in COMPRESSIONS, "compression", f"must be one of {', '.join(COMPRESSIONS)}")
+        need(self.fragment_mode in FRAGMENT_MODES, "fragment_mode", "must be 'strided' or 'balanced'")
+        need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        need(self.grace_cap_s >= 0, "grace_cap_s", "must be >= 0")
+        need(0 <= self.mix_alpha <= 1, "mix_alpha", "must be in [0, 1]")
+        need(self.grace_gamma >= 0, "grace_gamma", "must be >= 0")
+        need(self.staleness_discount >= 0, "staleness_discount", "must be >= 0")
+        need(0 <= self.ema_beta < 1, "ema_beta", "must be in [0, 1)")
+        need(0 < self.val_fraction < 0.5, "val_fraction", "must be in (0, 0.5)")
+        need(self.eval_every >= 1, "eval_every", "must be >= 1")
+        need(self.overlap_steps is None or self.overlap_steps >= 0, "overlap_steps", "must be >= 0")
+        if isinstance(self.quorum, int) and isinstance(self.learners, int):
+            need(self.quorum <= self.learners, "quorum", "must not exceed learners")
+        if isinstance(self.fragments, int) and isinstance(self.inner_steps, int):
+            need(self.fragments <= self.inner_steps, "fragments", "must not exceed inner_steps")
+        if errors:
+            raise ConfigError(errors)
+
+    @classmethod
+    def from_spec(cls, spec: Any, **overrides: Any) -> TrainConfig:
+        """Build from a `trainer.spec.JobSpec` (or anything with the same attributes)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for name in names:
+            if hasattr(spec, name) and name != "extra":
+                values[name] = getattr(spec, name)
+        if getattr(spec, "eval_interval", None) is not None and "eval_every" not in overrides:
+            values["eval_every"] = int(spec.eval_interval)
+        if values.get("quorum") is None:
+            values["quorum"] = max(1, int(values.get("learners", 4)) // 2)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(dict.fromkeys(sorted(unknown), "unknown setting"))
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+class ConfigError(ValueError):
+    """Bad settings; `.errors` maps field -> message."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
