@@ -140,6 +140,14 @@ WEB_URL = env.str("DILOCO_WEB_URL", default="http://127.0.0.1:8000")
 HEARTBEAT_INTERVAL_S = env.float("HEARTBEAT_INTERVAL_S", default=1.0)
 HEARTBEAT_TIMEOUT_S = env.float("HEARTBEAT_TIMEOUT_S", default=3.0)
 
+# TELEMETRY (agent websocket; docs/telemetry.md)
+COORDINATOR_TOKEN = env.str("COORDINATOR_TOKEN", default="")  # unset: derived from SECRET_KEY
+WS_MAX_FRAME_BYTES = env.int("WS_MAX_FRAME_BYTES", default=64 * 1024)
+TELEMETRY_FLUSH_INTERVAL_S = env.float("TELEMETRY_FLUSH_INTERVAL_S", default=0.5)
+TELEMETRY_FLUSH_MAX_ITEMS = env.int("TELEMETRY_FLUSH_MAX_ITEMS", default=1000)
+TELEMETRY_SCOPE_TTL_S = env.float("TELEMETRY_SCOPE_TTL_S", default=2.0)
+TELEMETRY_ABUSE_LIMIT = env.int("TELEMETRY_ABUSE_LIMIT", default=20)
+
 # AUTH
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -166,19 +174,40 @@ WHITENOISE_USE_FINDERS = True
 # REST FRAMEWORK
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "apps.api.authentication.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "apps.api.pagination.BoundedLimitOffsetPagination",
+    "DEFAULT_PARSER_CLASSES": ["apps.api.parsers.BoundedJSONParser"],
+    "EXCEPTION_HANDLER": "apps.api.exceptions.api_exception_handler",
     "PAGE_SIZE": 50,
+    # Rate limits (DRF syntax "N/second|minute|hour|day"); counters live in the default cache.
+    "DEFAULT_THROTTLE_RATES": {
+        "auth": env.str("API_THROTTLE_AUTH", default="20/minute"),
+        "job_create": env.str("API_THROTTLE_JOB_CREATE", default="60/minute"),
+    },
 }
+# Throttle counters must be shared by every web process: Redis when it is configured.
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "diloco",
+        }
+    }
 SPECTACULAR_SETTINGS = {
     "TITLE": "DiLoCo platform API",
     "DESCRIPTION": "Fleets, jobs, learners and metrics of the Decoupled DiLoCo platform.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "ENUM_NAME_OVERRIDES": {
+        "PoolStateEnum": "apps.inventory.models.Pool.State",
+        "NodeStateEnum": "apps.inventory.models.Node.State",
+        "LearnerStateEnum": "apps.jobs.models.Learner.State",
+    },
 }
 
 # SIZE LIMITS

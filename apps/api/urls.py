@@ -1,7 +1,30 @@
-from django.urls import path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from .views import agent, auth, checkpoints, inventory, jobs
+
+router = DefaultRouter()
+router.register("accelerator-types", inventory.AcceleratorTypeViewSet, basename="acceleratortype")
+router.register("pools", inventory.PoolViewSet, basename="pool")
+router.register("nodes", inventory.NodeViewSet, basename="node")
+router.register("jobs", jobs.JobViewSet, basename="job")
+router.register("events", jobs.EventViewSet, basename="event")
+router.register("incidents", jobs.IncidentViewSet, basename="incident")
+router.register("checkpoints", checkpoints.CheckpointViewSet, basename="checkpoint")
+router.register("auth/tokens", auth.ApiTokenViewSet, basename="apitoken")
+
+v1 = [
+    path("auth/token/", auth.ObtainTokenView.as_view(), name="auth-token"),
+    path("auth/me/", auth.MeView.as_view(), name="auth-me"),
+    path("agent/assignments/", agent.AssignmentListView.as_view(), name="agent-assignments"),
+    re_path(r"^agent/jobs/(?P<job_id>[0-9]{1,18})/learners/(?P<index>[0-9]{1,4})/$",
+            agent.AssignmentView.as_view(), name="agent-assignment"),
+    path("", include(router.urls)),
+]
 
 urlpatterns = [
+    path("v1/", include((v1, "api"), namespace="api")),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
 ]

@@ -1,0 +1,272 @@
+"""Serializers: what the API shows of each model and what it accepts."""
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from rest_framework import serializers
+
+from apps.inventory.models import AcceleratorType, Node, Pool
+from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
+
+from .models import ApiToken
+
+_SLUG = r"^[-a-zA-Z0-9_]+$"
+
+
+class StrictSerializerMixin:
+    """Refuse fields the serializer does not know instead of silently dropping them."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            known = {name for name, f in self.fields.items() if not f.read_only}
+            unknown = sorted(str(k) for k in data if k not in known)
+            if unknown:
+                raise serializers.ValidationError({k: ["Unknown field."] for k in unknown})
+        return super().to_internal_value(data)
+
+
+# --- inventory -----------------------------------------------------------------------------
+
+class AcceleratorTypeSerializer(StrictSerializerMixin, serializers.ModelSerializer):
+    slug = serializers.RegexField(_SLUG, max_length=40)
+    year = serializers.IntegerField(min_value=1990, max_value=2100)
+    memory_gib = serializers.FloatField(min_value=0, max_value=1e6)
+    peak_bf16_tflops = serializers.FloatField(min_value=0, max_value=1e7)
+    tdp_watts = serializers.IntegerField(min_value=0, max_value=100_000)
+
+    class Meta:
+        model = AcceleratorType
+        fields = ["id", "slug", "vendor", "model", "kind", "generation", "year", "memory_gib",
+                  "peak_bf16_tflops", "tdp_watts"]
+
+
+class PoolSerializer(StrictSerializerMixin, serializers.ModelSerializer):
+    slug = serializers.RegexField(_SLUG, max_length=40)
+    accelerator = serializers.SlugRelatedField(slug_field="slug", queryset=AcceleratorType.objects.all())
+    device_count = serializers.IntegerField(min_value=0, max_value=1_000_000)
+    cost_per_device_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0,
+                                                    coerce_to_string=False)
+    link_gbps = serializers.FloatField(min_value=0, max_value=1e6)
+    latency_ms = serializers.FloatField(min_value=0, max_value=1e6, required=False)
+    speed_factor = serializers.FloatField(min_value=0.001, max_value=1.0, required=False)
+    state = serializers.CharField(read_only=True)
+    nodes_online = serializers.IntegerField(read_only=True)
+    learners_running = serializers.IntegerField(read_only=True)
+    total_peak_tflops = serializers.FloatField(read_only=True)
+    total_watts = serializers.IntegerField(read_only=True)
+    cost_per_hour = serializers.FloatField(read_only=True)
+
+    class Meta:
+        model = Pool
+        fields = ["id", "slug", "name", "region", "provider", "accelerator", "device_count",
+                  "cost_per_device_hour", "link_gbps", "latency_ms", "speed_factor", "state", "notes",
+                  "nodes_online", "learners_running", "total_peak_tflops", "total_watts", "cost_per_hour",
+                  "created_at", "updated_at"]
+        read_only_fields = ["created_at", "updated_at"]
+
+
+class NodeSerializer(StrictSerializerMixin, serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="slug", queryset=Pool.objects.all())
+    device_count = serializers.IntegerField(min_value=0, max_value=100_000, required=False)
+    measured_tokens_per_s = serializers.FloatField(min_value=0, max_value=1e12, required=False,
+                                                   allow_null=True)
+
+    class Meta:
+        model = Node
+        fields = ["id", "pool", "hostname", "worker_name", "devices", "device_count", "agent_version",
+                  "pid", "state", "registered_at", "last_seen", "measured_tokens_per_s"]
+        read_only_fields = ["devices", "pid", "registered_at", "last_seen"]
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+class JobSubmitSerializer(StrictSerializerMixin, serializers.Serializer):
+    """Body of POST /jobs/ and /jobs/dry-run/: the spec (trainer.spec.JobSpec) and an optional team."""
+
+    spec = serializers.JSONField(help_text="a job spec, see trainer/spec.py (JobSpec)")
+    team = serializers.RegexField(r"^[\w .-]*$", max_length=60, required=False, allow_blank=True, default="")
+
+    def validate_spec(self, value):
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("The spec must be a JSON object.")
+        return value
+
+
+class JobSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    total_tokens = serializers.SerializerMethodField()
+    progress = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Job
+        fields = ["id", "name", "owner", "team", "status", "status_reason", "spec", "created_at",
+                  "updated_at", "started_at", "finished_at", "outer_steps", "tokens_computed",
+                  "tokens_contributed", "tokens_lost", "bytes_sent", "initial_val_loss", "final_val_loss",
+                  "energy_j", "cost", "total_tokens", "progress"]
+        read_only_fields = fields
+
+    def get_total_tokens(self, job) -> int:
+        s = job.spec or {}
+        try:
+            by_steps = int(s["learners"]) * int(s["steps"]) * int(s["batch_size"]) * int(s["seq_len"])
+        except (KeyError, TypeError, ValueError):
+            return 0
+        cap = s.get("max_tokens")
+        return min(by_steps, int(cap)) if cap else by_steps
+
+    def get_progress(self, job) -> float:
+        total = self.get_total_tokens(job)
+        return round(min(1.0, job.tokens_computed / total), 4) if total else 0.0
+
+
+class JobDetailSerializer(JobSerializer):
+    latest = serializers.SerializerMethodField(help_text="latest job-level value of each metric")
+    learner_counts = serializers.SerializerMethodField()
+
+    class Meta(JobSerializer.Meta):
+        fields = [*JobSerializer.Meta.fields, "latest", "learner_counts"]
+        read_only_fields = fields
+
+    def get_latest(self, job) -> dict[str, float]:
+        from .metrics import latest_values
+
+        return latest_values(job)
+
+    def get_learner_counts(self, job) -> dict[str, int]:
+        from django.db.models import Count
+
+        rows = Learner.objects.filter(job=job).values("state").annotate(n=Count("id"))
+        return {r["state"]: r["n"] for r in rows}
+
+
+class LearnerSerializer(serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="worker_name", read_only=True)
+
+    class Meta:
+        model = Learner
+        fields = ["id", "index", "incarnation", "pool", "node", "state", "work_size", "wire_dtype", "tokens",
+                  "tokens_contributed", "inner_steps", "data_cursor", "tokens_per_s", "loss", "staleness",
+                  "rejected_contributions", "last_heartbeat", "started_at"]
+        read_only_fields = fields
+
+
+class EventSerializer(serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+
+    class Meta:
+        model = Event
+        fields = ["id", "job", "pool", "kind", "message", "payload", "time"]
+        read_only_fields = fields
+
+
+class IncidentSerializer(serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    learner = serializers.IntegerField(source="learner.index", read_only=True, allow_null=True, default=None)
+    time_to_detect_s = serializers.FloatField(read_only=True)
+    time_to_heal_s = serializers.FloatField(read_only=True, allow_null=True)
+    is_open = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = Incident
+        fields = ["id", "job", "learner", "pool", "kind", "description", "failed_at", "detected_at",
+                  "healed_at", "tokens_lost", "details", "time_to_detect_s", "time_to_heal_s", "is_open"]
+        read_only_fields = fields
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    download_url = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Checkpoint
+        fields = ["id", "job", "version", "kind", "size_bytes", "sha256", "created_at", "download_url"]
+        read_only_fields = fields
+
+    def get_download_url(self, ckpt) -> str:
+        from django.urls import reverse
+
+        url = reverse("api:checkpoint-download", args=[ckpt.pk])
+        request = self.context.get("request")
+        return request.build_absolute_uri(url) if request else url
+
+
+class JobListQuerySerializer(serializers.Serializer):
+    status = serializers.MultipleChoiceField(choices=[s for s, _ in Job.STATUS_CHOICES], required=False)
+    search = serializers.CharField(max_length=100, required=False, allow_blank=True)
+    owner = serializers.CharField(max_length=150, required=False)
+    team = serializers.CharField(max_length=60, required=False)
+
+
+class MetricsQuerySerializer(serializers.Serializer):
+    name = serializers.ListField(child=serializers.RegexField(r"^[\w.-]{1,40}$"), required=False,
+                                 max_length=20)
+    points = serializers.IntegerField(min_value=1, max_value=5000, default=500)
+    learner = serializers.CharField(required=False, max_length=10,
+                                    help_text="'job' for job-level series, 'all', or a learner index")
+
+    def validate_learner(self, value: str) -> str | int:
+        if value in ("job", "all"):
+            return value
+        if value.isdigit() and len(value) <= 4:
+            return int(value)
+        raise serializers.ValidationError("Must be 'job', 'all' or a learner index.")
+
+
+class MetricSeriesSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    learner = serializers.IntegerField(allow_null=True)
+    points = serializers.ListField(child=serializers.ListField(child=serializers.FloatField()),
+                                   help_text="[step, value, unix time] per bucket, sorted by step")
+
+
+class MetricsResponseSerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    points = serializers.IntegerField(help_text="maximum points per series")
+    series = MetricSeriesSerializer(many=True)
+
+
+# --- auth ----------------------------------------------------------------------------------
+
+class TokenCreateSerializer(StrictSerializerMixin, serializers.Serializer):
+    username = serializers.CharField(max_length=150, required=False)
+    password = serializers.CharField(max_length=256, required=False, trim_whitespace=False,
+                                     style={"input_type": "password"})
+    name = serializers.RegexField(r"^[\w .@:/-]+$", max_length=60, required=False, default="cli")
+    expires_in_days = serializers.IntegerField(min_value=1, max_value=3650, required=False, allow_null=True)
+
+
+class ApiTokenSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ApiToken
+        fields = ["id", "name", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at"]
+        read_only_fields = fields
+
+
+class ApiTokenCreatedSerializer(ApiTokenSerializer):
+    token = serializers.CharField(read_only=True, help_text="the key: shown once, store it now")
+    username = serializers.CharField(source="user.username", read_only=True)
+
+    class Meta(ApiTokenSerializer.Meta):
+        fields = [*ApiTokenSerializer.Meta.fields, "token", "username"]
+        read_only_fields = fields
+
+
+class MeSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = get_user_model()
+        fields = ["id", "username", "email", "is_staff"]
+        read_only_fields = fields
+
+
+# --- agent ---------------------------------------------------------------------------------
+
+class AssignmentSerializer(serializers.ModelSerializer):
+    job = serializers.IntegerField(source="job_id", read_only=True)
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    job_status = serializers.CharField(source="job.status", read_only=True)
+    spec = serializers.JSONField(source="job.spec", read_only=True)
+
+    class Meta:
+        model = Learner
+        fields = ["job", "index", "incarnation", "pool", "state", "work_size", "wire_dtype", "data_cursor",
+                  "job_status", "spec"]
+        read_only_fields = fields

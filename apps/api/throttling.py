@@ -1,0 +1,39 @@
+"""Rate limits on signing in and on job creation (rates in REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']).
+
+Rates are read on every request (not at import as DRF's SimpleRateThrottle does), so a
+settings override in tests or a reloaded config takes effect at once. The counters live
+in the default cache (Redis when REDIS_URL is set, shared by every web process).
+"""
+from __future__ import annotations
+
+from rest_framework.settings import api_settings
+from rest_framework.throttling import SimpleRateThrottle
+
+
+class _LiveRateThrottle(SimpleRateThrottle):
+    def get_rate(self):
+        return api_settings.DEFAULT_THROTTLE_RATES.get(self.scope)
+
+
+class AuthRateThrottle(_LiveRateThrottle):
+    """Token creation with username/password: per client address and per username."""
+
+    scope = "auth"
+
+    def get_cache_key(self, request, view):
+        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+
+class JobCreateThrottle(_LiveRateThrottle):
+    """Job submissions per user (dry runs included)."""
+
+    scope = "job_create"
+
+    def allow_request(self, request, view):
+        if request.method != "POST":
+            return True
+        return super().allow_request(request, view)
+
+    def get_cache_key(self, request, view):
+        ident = request.user.pk if request.user and request.user.is_authenticated else self.get_ident(request)
+        return self.cache_format % {"scope": self.scope, "ident": ident}

@@ -1,0 +1,1 @@
+"""API views, one module per area."""

@@ -1,0 +1,92 @@
+"""Personal API tokens: sign in with username/password for a token; list and revoke your tokens."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.contrib.auth import authenticate
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.exceptions import AuthenticationFailed, ValidationError
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from .. import serializers as s
+from ..authentication import ApiTokenAuthentication
+from ..models import ApiToken
+from ..permissions import IsPerson
+from ..throttling import AuthRateThrottle
+
+MAX_ACTIVE_TOKENS = 50
+
+
+def _issue(user, data) -> Response:
+    if ApiToken.objects.filter(user=user, revoked_at__isnull=True).count() >= MAX_ACTIVE_TOKENS:
+        raise ValidationError({"name": [f"You already have {MAX_ACTIVE_TOKENS} active tokens; revoke some."]})
+    days = data.get("expires_in_days")
+    expires = timezone.now() + timedelta(days=days) if days else None
+    tok, raw = ApiToken.issue(user, data.get("name") or "cli", expires_at=expires)
+    tok.token = raw
+    return Response(s.ApiTokenCreatedSerializer(tok).data, status=status.HTTP_201_CREATED)
+
+
+class ObtainTokenView(APIView):
+    """Exchange a username and password for a new personal API token (rate limited)."""
+
+    authentication_classes = [ApiTokenAuthentication]
+    permission_classes = [AllowAny]
+    throttle_classes = [AuthRateThrottle]
+
+    @extend_schema(request=s.TokenCreateSerializer,
+                   responses={201: s.ApiTokenCreatedSerializer, 400: OpenApiTypes.OBJECT,
+                              401: OpenApiTypes.OBJECT})
+    def post(self, request):
+        ser = s.TokenCreateSerializer(data=request.data)
+        ser.is_valid(raise_exception=True)
+        data = ser.validated_data
+        missing = {f: ["This field is required."] for f in ("username", "password") if not data.get(f)}
+        if missing:
+            raise ValidationError(missing)
+        user = authenticate(request, username=data["username"], password=data["password"])
+        if user is None or not user.is_active:
+            raise AuthenticationFailed("Unable to sign in with these credentials.")
+        return _issue(user, data)
+
+
+class ApiTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
+                      viewsets.GenericViewSet):
+    """Your API tokens. POST creates one (signed in: session or token), DELETE revokes it."""
+
+    serializer_class = s.ApiTokenSerializer
+    permission_classes = [IsPerson]
+    pagination_class = None
+    lookup_value_regex = r"[0-9]{1,18}"
+
+    def get_queryset(self):
+        qs = ApiToken.objects.filter(user=self.request.user)
+        if self.action == "list" and self.request.query_params.get("all") != "1":
+            qs = qs.filter(revoked_at__isnull=True)
+        return qs
+
+    @extend_schema(request=s.TokenCreateSerializer, responses={201: s.ApiTokenCreatedSerializer})
+    def create(self, request):
+        ser = s.TokenCreateSerializer(data=request.data)
+        ser.is_valid(raise_exception=True)
+        if ser.validated_data.get("username") or ser.validated_data.get("password"):
+            raise ValidationError({"password": ["Not used here: you are signed in already."]})
+        return _issue(request.user, ser.validated_data)
+
+    def perform_destroy(self, instance):
+        instance.revoke()
+
+
+class MeView(APIView):
+    """Who the credentials belong to."""
+
+    permission_classes = [IsPerson]
+
+    @extend_schema(responses=s.MeSerializer)
+    def get(self, request):
+        return Response(s.MeSerializer(request.user).data)

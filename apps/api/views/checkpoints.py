@@ -1,0 +1,83 @@
+"""Checkpoints: metadata and download, streamed from the blob store."""
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound
+
+from apps.jobs.models import Checkpoint
+
+from .. import serializers as s
+from ..exceptions import ServiceUnavailable
+from ..pagination import BoundedLimitOffsetPagination
+from ..permissions import IsPerson
+from .common import SafeQueryMixin
+
+CHUNK = 1 << 20
+
+
+def _store_and_key(blob_uri: str):
+    """(store, key) for a checkpoint's blob_uri: a key of the configured store, or a full URL."""
+    try:
+        from trainer.transport import open_store
+    except ImportError:
+        raise ServiceUnavailable("The blob store is not available on this server.") from None
+    base = settings.BLOB_STORE_URL.rstrip("/")
+    if blob_uri.startswith(base + "/"):
+        return open_store(settings.BLOB_STORE_URL), blob_uri[len(base) + 1:]
+    if "://" in blob_uri:
+        parent, _, key = blob_uri.rpartition("/")
+        return open_store(parent), key
+    return open_store(settings.BLOB_STORE_URL), blob_uri
+
+
+def _chunks(data: bytes):
+    view = memoryview(data)
+    for i in range(0, len(view), CHUNK):
+        yield bytes(view[i:i + CHUNK])
+
+
+class CheckpointViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
+    """Checkpoints of your jobs (staff: all). `download` streams the blob."""
+
+    serializer_class = s.CheckpointSerializer
+    permission_classes = [IsPerson]
+    pagination_class = BoundedLimitOffsetPagination
+    lookup_value_regex = r"[0-9]{1,18}"
+
+    def get_queryset(self):
+        qs = Checkpoint.objects.select_related("job")
+        if not self.request.user.is_staff:
+            qs = qs.filter(job__owner=self.request.user)
+        job = self.request.query_params.get("job")
+        if self.action == "list" and job:
+            qs = qs.filter(job_id=int(job)) if job.isdigit() and len(job) <= 18 else qs.none()
+        return qs.order_by("job_id", "-version")
+
+    @extend_schema(parameters=[OpenApiParameter("job", int)])
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY),
+                              503: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["get"])
+    def download(self, request, pk=None):
+        """The checkpoint file (safetensors), with its SHA-256 in `X-Checksum-SHA256`."""
+        ckpt = self.get_object()
+        store, key = _store_and_key(ckpt.blob_uri)
+        try:
+            data = store.get(key)
+        except (KeyError, FileNotFoundError):
+            raise NotFound(f"The blob of checkpoint {ckpt.pk} is missing from the store.") from None
+        except OSError as exc:
+            raise ServiceUnavailable(f"The blob store could not be read: {exc.__class__.__name__}.") from None
+        name = f"job{ckpt.job_id}-{ckpt.kind}-v{ckpt.version:05d}.safetensors"
+        resp = StreamingHttpResponse(_chunks(data), content_type="application/octet-stream")
+        resp["Content-Length"] = str(len(data))
+        resp["Content-Disposition"] = f'attachment; filename="{name}"'
+        resp["X-Checksum-SHA256"] = ckpt.sha256
+        return resp

@@ -1,0 +1,52 @@
+"""Helpers shared by the API views."""
+from __future__ import annotations
+
+import contextlib
+
+from rest_framework import serializers
+
+from ..permissions import IsPerson
+
+
+def query_params(request, serializer_class: type[serializers.Serializer]) -> dict:
+    """Validate query parameters with a serializer (lists for MultipleChoice/List fields)."""
+    data = {}
+    for name, field in serializer_class().fields.items():
+        if isinstance(field, serializers.ListField | serializers.MultipleChoiceField):
+            values = []
+            for raw in request.query_params.getlist(name):
+                values += [v for v in raw.split(",") if v]
+            if values:
+                data[name] = values
+        elif name in request.query_params:
+            data[name] = request.query_params[name]
+    ser = serializer_class(data=data)
+    ser.is_valid(raise_exception=True)
+    return ser.validated_data
+
+
+class PersonViewMixin:
+    permission_classes = [IsPerson]
+
+
+class SafeQueryMixin:
+    """Refuse query strings the database cannot take (NUL characters, absurd lengths) with a 400."""
+
+    def initial(self, request, *args, **kwargs):
+        for key, values in request.query_params.lists():
+            for v in [key, *values]:
+                if "\x00" in v:
+                    raise serializers.ValidationError({key[:40]: ["NUL characters are not allowed."]})
+                if len(v) > 2000:
+                    raise serializers.ValidationError({key[:40]: ["Too long (at most 2000 characters)."]})
+        super().initial(request, *args, **kwargs)
+
+
+def publish_fleet(msg: dict) -> None:
+    """Tell dashboards about a fleet change, when the telemetry app offers it."""
+    try:
+        from apps.telemetry.publish import publish_fleet as publish
+    except ImportError:
+        return
+    with contextlib.suppress(Exception):  # telemetry must never break an API call
+        publish(msg)

@@ -1,0 +1,114 @@
+"""Accelerator types, pools and nodes: everyone signed in reads, staff write."""
+from __future__ import annotations
+
+from django.db.models import Count, ProtectedError, Q
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
+from rest_framework import filters, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from apps.inventory.models import AcceleratorType, Node, Pool
+from apps.jobs.models import Event, Learner
+
+from .. import serializers as s
+from ..exceptions import Conflict
+from ..permissions import IsStaffOrReadOnly
+from .common import SafeQueryMixin, publish_fleet
+
+
+class _ProtectedDestroyMixin:
+    def perform_destroy(self, instance):
+        try:
+            instance.delete()
+        except ProtectedError as exc:
+            names = ", ".join(sorted(str(o) for o in list(exc.protected_objects)[:5]))
+            raise Conflict(f"{instance} is still in use by: {names}") from None
+
+
+class AcceleratorTypeViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.ModelViewSet):
+    """The accelerator catalogue."""
+
+    queryset = AcceleratorType.objects.all()
+    serializer_class = s.AcceleratorTypeSerializer
+    permission_classes = [IsStaffOrReadOnly]
+    lookup_field = "slug"
+    lookup_value_regex = r"[-a-zA-Z0-9_]+"
+    filter_backends = [filters.SearchFilter, filters.OrderingFilter]
+    search_fields = ["slug", "vendor", "model", "generation"]
+    ordering_fields = ["year", "peak_bf16_tflops", "memory_gib", "tdp_watts"]
+
+
+@extend_schema_view(list=extend_schema(parameters=[
+    OpenApiParameter("state", str, enum=[c for c, _ in Pool.State.choices]),
+    OpenApiParameter("provider", str, enum=[c for c, _ in Pool.Provider.choices]),
+]))
+class PoolViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.ModelViewSet):
+    """Pools of accelerators; `drain`, `activate` and `disable` change what gets placed there."""
+
+    serializer_class = s.PoolSerializer
+    permission_classes = [IsStaffOrReadOnly]
+    lookup_field = "slug"
+    lookup_value_regex = r"[-a-zA-Z0-9_]+"
+    filter_backends = [filters.SearchFilter, filters.OrderingFilter]
+    search_fields = ["slug", "name", "region", "accelerator__model"]
+    ordering_fields = ["slug", "region", "device_count"]
+
+    def get_queryset(self):
+        qs = Pool.objects.select_related("accelerator").annotate(
+            nodes_online=Count("nodes", filter=Q(nodes__state=Node.State.ONLINE), distinct=True),
+            learners_running=Count("learners", filter=Q(learners__state=Learner.State.RUNNING),
+                                   distinct=True),
+        )
+        params = self.request.query_params
+        if params.get("state") in Pool.State.values:
+            qs = qs.filter(state=params["state"])
+        if params.get("provider") in Pool.Provider.values:
+            qs = qs.filter(provider=params["provider"])
+        return qs.order_by("slug")
+
+    def _set_state(self, request, state: str, kind: str):
+        pool = self.get_object()
+        previous = pool.state
+        Pool.objects.filter(pk=pool.pk).update(state=state)
+        Event.objects.create(pool=pool, kind=kind, message=f"pool {pool.slug}: {previous} → {state}",
+                             payload={"from": previous, "to": state, "by": request.user.username})
+        publish_fleet({"type": "pool", "slug": pool.slug, "state": state})
+        return Response(self.get_serializer(self.get_queryset().get(pk=pool.pk)).data)
+
+    @extend_schema(request=None, responses=s.PoolSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request, slug=None):
+        """Stop placing new learners here; running ones move away at their next rebalance."""
+        return self._set_state(request, Pool.State.DRAINING, Event.Kind.DRAINED)
+
+    @extend_schema(request=None, responses=s.PoolSerializer)
+    @action(detail=True, methods=["post"])
+    def activate(self, request, slug=None):
+        return self._set_state(request, Pool.State.ACTIVE, Event.Kind.INFO)
+
+    @extend_schema(request=None, responses=s.PoolSerializer)
+    @action(detail=True, methods=["post"])
+    def disable(self, request, slug=None):
+        return self._set_state(request, Pool.State.DISABLED, Event.Kind.INFO)
+
+
+@extend_schema_view(list=extend_schema(parameters=[
+    OpenApiParameter("pool", str, description="pool slug"),
+    OpenApiParameter("state", str, enum=[c for c, _ in Node.State.choices]),
+]))
+class NodeViewSet(SafeQueryMixin, viewsets.ModelViewSet):
+    """Worker hosts (they register themselves; staff may edit or remove them)."""
+
+    serializer_class = s.NodeSerializer
+    permission_classes = [IsStaffOrReadOnly]
+    filter_backends = [filters.SearchFilter]
+    search_fields = ["hostname", "worker_name"]
+
+    def get_queryset(self):
+        qs = Node.objects.select_related("pool")
+        params = self.request.query_params
+        if "pool" in params:
+            qs = qs.filter(pool__slug=params["pool"][:40])
+        if params.get("state") in Node.State.values:
+            qs = qs.filter(state=params["state"])
+        return qs.order_by("pool__slug", "hostname")
