@@ -55,6 +55,7 @@ class TrainConfig:
     cache_dir: str | None = None
     tokenizer: str | None = None      # path to a local tokenizer.json (needs `tokenizers`)
     max_payload_bytes: int | None = None
+    threads: int | None = 1           # torch.set_num_threads for learners (None: leave as is)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,268 @@
+"""Compression of pseudo-gradients and global fragments, and the tensor wire format.
+
+A payload is a safetensors file (never pickle) whose `__metadata__` says how to read it:
+`format=diloco-tensors`, `version`, `method`, `block`, `tensors` (JSON: name -> shape and
+original dtype), `wire_checksum` (BLAKE2b of the encoded entries) and an optional `meta`
+(JSON, used by `trainer.protocol` for the contribution header).
+
+Methods
+  none   the tensors as they are (float32 stays float32): bit-exact.
+  bf16   bfloat16 (8 significant bits): relative error <= 2**-8 per element.
+  int8   symmetric blockwise absmax scaling, 128 values per block, q in [-127, 127], fp32 scales.
+  int4   symmetric blockwise absmax scaling, 32 values per block, q in [-7, 7], two values
+         per byte, fp32 scales (5 bits per value in all: 6.4x smaller than fp32).
+
+Error bound of the blockwise methods: each value is off by at most half a step,
+|e| <= absmax_block / (2 qmax). As absmax_block <= ||x_block||, the relative L2 error of a
+whole tensor is at most sqrt(block) / (2 qmax): 0.40 for int4 (block 32), 0.045 for int8
+(block 128). For Gaussian-like pseudo-gradients the measured error is far lower, about
+0.09 for int4 and 0.004 for int8 (see `compression_error` and tests/trainer).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+METHODS = ("none", "bf16", "int8", "int4")
+BLOCK = {"int8": 128, "int4": 32}
+QMAX = {"int8": 127, "int4": 7}
+FORMAT = "diloco-tensors"
+VERSION = "1"
+DEFAULT_MAX_BYTES = 4 * 2**30
+MAX_HEADER = 16 * 2**20
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
+              "U8": torch.uint8}
+
+
+class InvalidPayload(ValueError):
+    """A blob that is not a well-formed, finite, consistent payload."""
+
+
+def error_bound(method: str) -> float:
+    """Worst-case relative L2 error of one tensor round trip."""
+    if method == "none":
+        return 0.0
+    if method == "bf16":
+        return 2.0**-8
+    return math.sqrt(BLOCK[method]) / (2 * QMAX[method])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for k, v in _FLOAT_DTYPES.items():
+        if v == dtype:
+            return k
+    raise InvalidPayload(f"unsupported dtype {dtype}")
+
+
+def _quantize(x: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    block, qmax = BLOCK[method], QMAX[method]
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    nblocks = max(1, -(-n // block))
+    padded = torch.zeros(nblocks * block, dtype=torch.float32)
+    padded[:n] = flat
+    blocks = padded.view(nblocks, block)
+    scale = blocks.abs().amax(dim=1) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    if method == "int4":
+        u = (q + 8).to(torch.uint8).view(-1)
+        q = u[0::2] | (u[1::2] << 4)
+    return q.reshape(-1).contiguous(), scale.contiguous()
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, method: str, shape: list[int]) -> torch.Tensor:
+    block = BLOCK[method]
+    if method == "int4":
+        lo = (q & 0x0F).to(torch.int16) - 8
+        hi = (q >> 4).to(torch.int16) - 8
+        vals = torch.stack([lo, hi], dim=1).reshape(-1)
+    else:
+        vals = q.to(torch.int16)
+    out = vals.view(-1, block).float() * scale[:, None]
+    return out.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+def _entries(tensors: dict[str, torch.Tensor], method: str) -> tuple[dict[str, torch.Tensor], dict]:
+    if method not in METHODS:
+        raise ValueError(f"unknown compression {method!r}: use one of {', '.join(METHODS)}")
+    entries: dict[str, torch.Tensor] = {}
+    spec: dict[str, dict] = {}
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        spec[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+        if method == "none":
+            entries[f"t/{name}"] = t.contiguous().clone()
+        elif method == "bf16":
+            entries[f"t/{name}"] = t.to(torch.bfloat16).contiguous()
+        else:
+            q, s = _quantize(t, method)
+            entries[f"q/{name}"] = q
+            entries[f"s/{name}"] = s
+    return entries, spec
+
+
+def entries_checksum(entries: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(entries):
+        t = entries[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """BLAKE2b-128 of names, dtypes, shapes and bytes, in name order."""
+    return entries_checksum({n: t.cpu() if t.device.type != "cpu" else t for n, t in tensors.items()})
+
+
+def encode(tensors: dict[str, torch.Tensor], method: str = "none", meta: dict | None = None) -> bytes:
+    entries, spec = _entries(tensors, method)
+    metadata = {
+        "format": FORMAT, "version": VERSION, "method": method,
+        "block": str(BLOCK.get(method, 0)), "tensors": json.dumps(spec, separators=(",", ":")),
+        "wire_checksum": entries_checksum(entries),
+    }
+    if meta is not None:
+        metadata["meta"] = json.dumps(meta, separators=(",", ":"), sort_keys=True)
+    return st_save(entries, metadata=metadata)
+
+
+def read_header(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+    """Parse and check the safetensors header without touching the tensor data."""
+    if not isinstance(blob, bytes | bytearray | memoryview):
+        raise InvalidPayload("payload must be bytes")
+    if len(blob) > max_bytes:
+        raise InvalidPayload(f"payload of {len(blob)} bytes exceeds the limit of {max_bytes}")
+    if len(blob) < 10:
+        raise InvalidPayload("payload too short")
+    (hlen,) = struct.unpack("<Q", bytes(blob[:8]))
+    if hlen > MAX_HEADER or 8 + hlen > len(blob):
+        raise InvalidPayload("payload header length out of range")
+    try:
+        header = json.loads(bytes(blob[8:8 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidPayload(f"payload header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise InvalidPayload("payload header is not an object")
+    data_len = len(blob) - 8 - hlen
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+            raise InvalidPayload(f"entry {name!r}: unsupported dtype")
+        off = info.get("data_offsets")
+        shape = info.get("shape")
+        if (not isinstance(off, list) or len(off) != 2 or not all(isinstance(o, int) for o in off)
+                or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise InvalidPayload(f"entry {name!r}: malformed")
+        size = _ST_DTYPES[info["dtype"]].itemsize * math.prod(shape)
+        if not 0 <= off[0] <= off[1] <= data_len or off[1] - off[0] != size:
+            raise InvalidPayload(f"entry {name!r}: size does not match its shape and dtype")
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise InvalidPayload("not a diloco tensor payload")
+    if meta.get("version") != VERSION:
+        raise InvalidPayload(f"unsupported payload version {meta.get('version')!r}")
+    if meta.get("method") not in METHODS:
+        raise InvalidPayload(f"unknown compression {meta.get('method')!r}")
+    return header
+
+
+def decode_with_meta(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES,
+                     allow_nonfinite: bool = False) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Validate and decode a payload. Returns (tensors, meta). Raises InvalidPayload."""
+    header = read_header(blob, max_bytes)
+    md = header["__metadata__"]
+    method = md["method"]
+    try:
+        spec = json.loads(md.get("tensors", ""))
+        meta = json.loads(md["meta"]) if "meta" in md else None
+    except json.JSONDecodeError as exc:
+        raise InvalidPayload("payload metadata is not JSON") from exc
+    if not isinstance(spec, dict):
+        raise InvalidPayload("payload tensor list is malformed")
+    try:
+        entries = st_load(bytes(blob))
+    except Exception as exc:  # safetensors raises its own error types
+        raise InvalidPayload(f"payload is not valid safetensors: {exc}") from exc
+    if entries_checksum(entries) != md.get("wire_checksum"):
+        raise InvalidPayload("checksum mismatch")
+    expected_keys = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, info in spec.items():
+        if (not isinstance(info, dict) or info.get("dtype") not in _FLOAT_DTYPES
+                or not isinstance(info.get("shape"), list)
+                or not all(isinstance(s, int) and s >= 0 for s in info["shape"])):
+            raise InvalidPayload(f"tensor {name!r}: malformed description")
+        shape, numel = info["shape"], math.prod(info["shape"])
+        if method in ("none", "bf16"):
+            key = f"t/{name}"
+            expected_keys.add(key)
+            t = entries.get(key)
+            want = _FLOAT_DTYPES[info["dtype"]] if method == "none" else torch.bfloat16
+            if t is None or t.dtype != want or list(t.shape) != shape:
+                raise InvalidPayload(f"tensor {name!r}: missing or wrong dtype/shape")
+            out[name] = t if method == "none" else t.float()
+        else:
+            block = BLOCK[method]
+            nblocks = max(1, -(-numel // block))
+            qkey, skey = f"q/{name}", f"s/{name}"
+            expected_keys.update((qkey, skey))
+            q, s = entries.get(qkey), entries.get(skey)
+            qlen = nblocks * block // (2 if method == "int4" else 1)
+            qdtype = torch.uint8 if method == "int4" else torch.int8
+            if (q is None or s is None or q.dtype != qdtype or s.dtype != torch.float32
+                    or list(q.shape) != [qlen] or list(s.shape) != [nblocks]):
+                raise InvalidPayload(f"tensor {name!r}: quantized entries missing or malformed")
+            if method == "int8" and bool((q == -128).any()):
+                raise InvalidPayload(f"tensor {name!r}: value out of the quantization range")
+            if not allow_nonfinite and not bool(torch.isfinite(s).all()):
+                raise InvalidPayload(f"tensor {name!r}: non-finite scale (NaN/Inf)")
+            if bool((s < 0).any()):
+                raise InvalidPayload(f"tensor {name!r}: negative scale")
+            out[name] = _dequantize(q, s, method, shape)
+    if set(entries) != expected_keys:
+        raise InvalidPayload("payload holds unexpected entries")
+    if not allow_nonfinite:
+        for name, t in out.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise InvalidPayload(f"tensor {name!r}: holds NaN or Inf")
+    return out, meta
+
+
+def decode(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, torch.Tensor]:
+    return decode_with_meta(blob, max_bytes)[0]
+
+
+def roundtrip(tensors: dict[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+    return decode(encode(tensors, method))
+
+
+def compression_error(tensors: dict[str, torch.Tensor], method: str) -> float:
+    """Relative L2 error ||decode(encode(x)) - x|| / ||x|| over all tensors together."""
+    back = roundtrip(tensors, method)
+    num = sum(float((back[n].float() - t.float()).pow(2).sum()) for n, t in tensors.items())
+    den = sum(float(t.float().pow(2).sum()) for t in tensors.values())
+    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+
+
+def payload_bytes(numel: int, method: str) -> int:
+    """Approximate wire size of `numel` fp32 values (without header)."""
+    if method == "none":
+        return 4 * numel
+    if method == "bf16":
+        return 2 * numel
+    block = BLOCK[method]
+    nblocks = -(-numel // block)
+    return nblocks * (block // (2 if method == "int4" else 1)) + 4 * nblocks

@@ -1,0 +1,118 @@
+"""The learner <-> syncer protocol: contributions and global fragments on the wire.
+
+Both travel as a safetensors payload (see `trainer.compression`) whose metadata carries a
+small JSON header. Nothing is unpickled. `from_bytes` checks, in order: size limit, header
+shape, entry sizes against shape and dtype, the wire checksum, the header fields (types and
+ranges), the expected tensor names and shapes, and that every value is finite. Any failure
+raises `InvalidPayload` and nothing is returned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.compression import DEFAULT_MAX_BYTES, InvalidPayload, decode_with_meta, encode, tensor_checksum
+
+__all__ = ["Contribution", "GlobalFragment", "InvalidPayload", "tensor_checksum"]
+
+_MAX_INT = 2**62
+
+
+def _int_field(meta: dict, name: str, lo: int = 0) -> int:
+    v = meta.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= _MAX_INT:
+        raise InvalidPayload(f"header field {name!r} must be an integer >= {lo}")
+    return v
+
+
+def _str_field(meta: dict, name: str, max_len: int = 200) -> str:
+    v = meta.get(name)
+    if not isinstance(v, str) or not 0 < len(v) <= max_len:
+        raise InvalidPayload(f"header field {name!r} must be a non-empty string of at most {max_len} chars")
+    return v
+
+
+def _check_expected(tensors: dict[str, torch.Tensor], expected: dict[str, tuple] | None) -> None:
+    if expected is None:
+        return
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        raise InvalidPayload(f"tensor names differ (missing {missing[:3]}, unexpected {extra[:3]})")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise InvalidPayload(f"tensor {name!r}: shape {tuple(tensors[name].shape)} != {tuple(shape)}")
+
+
+@dataclass
+class Contribution:
+    """A learner's pseudo-gradient for one fragment: global_at_base_version - local."""
+
+    job: str
+    learner: int
+    incarnation: int
+    fragment: int
+    base_version: int
+    tokens: int
+    inner_steps: int
+    tensors: dict[str, torch.Tensor]
+    checksum: str = ""
+    wire_bytes: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.checksum:
+            self.checksum = tensor_checksum(self.tensors)
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.learner, self.incarnation, self.fragment, self.base_version)
+
+    def header(self) -> dict:
+        return {"kind": "contribution", "job": self.job, "learner": self.learner,
+                "incarnation": self.incarnation, "fragment": self.fragment,
+                "base_version": self.base_version, "tokens": self.tokens, "inner_steps": self.inner_steps}
+
+    def to_bytes(self, compression: str = "none") -> bytes:
+        return encode(self.tensors, compression, meta=self.header())
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, expected: dict[str, tuple] | None = None,
+                   max_bytes: int = DEFAULT_MAX_BYTES) -> Contribution:
+        tensors, meta = decode_with_meta(blob, max_bytes)
+        if not isinstance(meta, dict) or meta.get("kind") != "contribution":
+            raise InvalidPayload("not a contribution")
+        _check_expected(tensors, expected)
+        c = cls(job=_str_field(meta, "job"), learner=_int_field(meta, "learner"),
+                incarnation=_int_field(meta, "incarnation"), fragment=_int_field(meta, "fragment"),
+                base_version=_int_field(meta, "base_version"), tokens=_int_field(meta, "tokens", 1),
+                inner_steps=_int_field(meta, "inner_steps", 1),
+                tensors={k: v.float() for k, v in tensors.items()})
+        c.wire_bytes = len(blob)
+        return c
+
+
+@dataclass
+class GlobalFragment:
+    """The syncer's weights of one fragment at one version."""
+
+    job: str
+    fragment: int
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+    def header(self) -> dict:
+        return {"kind": "global", "job": self.job, "fragment": self.fragment, "version": self.version}
+
+    def to_bytes(self, compression: str = "none") -> bytes:
+        return encode(self.tensors, compression, meta=self.header())
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, expected: dict[str, tuple] | None = None,
+                   max_bytes: int = DEFAULT_MAX_BYTES) -> GlobalFragment:
+        tensors, meta = decode_with_meta(blob, max_bytes)
+        if not isinstance(meta, dict) or meta.get("kind") != "global":
+            raise InvalidPayload("not a global fragment")
+        _check_expected(tensors, expected)
+        return cls(job=_str_field(meta, "job"), fragment=_int_field(meta, "fragment"),
+                   version=_int_field(meta, "version"), tensors={k: v.float() for k, v in tensors.items()})
