@@ -1,13 +1,27 @@
 """Fixtures for the foundation tests: a small fleet on the seeded catalogue."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from apps.inventory.models import AcceleratorType, Node, Pool
 
 
 @pytest.fixture
-def fleet(db):
+def catalogue(db):
+    """The seeded catalogue. A transactional test elsewhere in the suite (without
+    serialized_rollback) truncates tables, migration data included: seed again then."""
+    from django.apps import apps
+
+    mig = importlib.import_module("apps.inventory.migrations.0003_catalogue")
+    if AcceleratorType.objects.count() < len(mig.CATALOGUE):
+        mig.seed(apps, None)
+    return {a.slug: a for a in AcceleratorType.objects.all()}
+
+
+@pytest.fixture
+def fleet(catalogue):
     h100 = AcceleratorType.objects.get(slug="h100-sxm")
     v5e = AcceleratorType.objects.get(slug="tpu-v5e")
     a = Pool.objects.create(slug="iad-h100", name="IAD H100", region="us-east", provider="aws",

@@ -12,8 +12,13 @@ REQUIRED = {"h200", "h100-sxm", "a100-80gb", "v100", "l4", "tpu-v5p", "tpu-v5e",
 
 
 @pytest.mark.django_db
-def test_catalogue_is_seeded_with_public_figures():
-    rows = {a.slug: a for a in AcceleratorType.objects.all()}
+def test_catalogue_is_seeded_with_public_figures(catalogue):
+    from django.db import connection
+    from django.db.migrations.recorder import MigrationRecorder
+
+    applied = MigrationRecorder(connection).applied_migrations()
+    assert ("inventory", "0003_catalogue") in applied
+    rows = catalogue
     assert set(rows) >= REQUIRED
     assert rows["h100-sxm"].peak_bf16_tflops == 989.0 and rows["h100-sxm"].tdp_watts == 700
     assert rows["a100-80gb"].peak_bf16_tflops == 312.0 and rows["a100-80gb"].memory_gib == 80
@@ -28,7 +33,7 @@ def test_catalogue_is_seeded_with_public_figures():
 
 
 @pytest.mark.django_db
-def test_seed_is_idempotent():
+def test_seed_is_idempotent(catalogue):
     mig = importlib.import_module("apps.inventory.migrations.0003_catalogue")
     from django.apps import apps
 
@@ -63,7 +68,7 @@ def test_derived_figures(fleet):
 
 
 @pytest.mark.django_db
-def test_cost_is_decimal_exact():
+def test_cost_is_decimal_exact(catalogue):
     cpu = AcceleratorType.objects.get(slug="cpu")
     p = Pool.objects.create(slug="c", name="c", region="r", accelerator=cpu, device_count=3,
                             cost_per_device_hour=Decimal("0.1"), link_gbps=1)

@@ -12,7 +12,7 @@ from django.core.management import CommandError, call_command
 from apps.inventory.inventory_file import InventoryFileError, load
 from apps.inventory.models import AcceleratorType, Pool
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("catalogue")]
 
 GOOD = textwrap.dedent("""\
     version: 1
