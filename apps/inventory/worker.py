@@ -17,6 +17,7 @@ not consume the pool's queue is refused registration (and says why in its log).
 
 The handlers are connected when the inventory app is ready (apps.InventoryConfig.ready).
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,7 +53,10 @@ def detect_devices() -> list[dict[str, Any]]:
         try:
             out = subprocess.run(
                 [smi, "--query-gpu=index,name,memory.total,uuid", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=10, check=True,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
             ).stdout
         except (OSError, subprocess.SubprocessError) as exc:
             logger.warning("nvidia-smi failed (%s); reporting the CPU only", exc)
@@ -67,14 +71,26 @@ def detect_devices() -> list[dict[str, Any]]:
                     mem_gib = round(float(mem_mib) / 1024, 1)
                 except ValueError:
                     mem_gib = None
-                gpus.append({"kind": "cuda", "index": int(index) if index.isdigit() else index,
-                             "name": name, "memory_gib": mem_gib, "uuid": uuid})
+                gpus.append(
+                    {
+                        "kind": "cuda",
+                        "index": int(index) if index.isdigit() else index,
+                        "name": name,
+                        "memory_gib": mem_gib,
+                        "uuid": uuid,
+                    }
+                )
             if gpus:
                 return gpus
     import platform
 
-    return [{"kind": "cpu", "name": platform.processor() or platform.machine() or "cpu",
-             "cores": os.cpu_count() or 1}]
+    return [
+        {
+            "kind": "cpu",
+            "name": platform.processor() or platform.machine() or "cpu",
+            "cores": os.cpu_count() or 1,
+        }
+    ]
 
 
 def pool_slug() -> str:
@@ -84,8 +100,14 @@ def pool_slug() -> str:
 class NodeAgent:
     """Registers one worker as a Node and keeps its heartbeat going."""
 
-    def __init__(self, worker_name: str, queues: list[str], slug: str, token: str | None = None,
-                 interval_s: float | None = None):
+    def __init__(
+        self,
+        worker_name: str,
+        queues: list[str],
+        slug: str,
+        token: str | None = None,
+        interval_s: float | None = None,
+    ):
         self.worker_name = worker_name
         self.queues = queues
         self.slug = slug
@@ -101,8 +123,14 @@ class NodeAgent:
 
         queue = f"pool.{self.slug}"
         if queue not in self.queues:
-            logger.error("DILOCO_POOL=%s but this worker does not consume %s (it consumes %s): "
-                         "not registering; start it with -Q %s", self.slug, queue, ", ".join(self.queues), queue)
+            logger.error(
+                "DILOCO_POOL=%s but this worker does not consume %s (it consumes %s): "
+                "not registering; start it with -Q %s",
+                self.slug,
+                queue,
+                ", ".join(self.queues),
+                queue,
+            )
             return None
         pool = Pool.objects.filter(slug=self.slug).first()
         if pool is None:
@@ -118,15 +146,25 @@ class NodeAgent:
         node, created = Node.objects.update_or_create(
             worker_name=self.worker_name,
             defaults={
-                "pool": pool, "hostname": socket.gethostname(), "devices": devices,
+                "pool": pool,
+                "hostname": socket.gethostname(),
+                "devices": devices,
                 "device_count": sum(1 for d in devices if d["kind"] != "cpu") or 1,
-                "agent_version": AGENT_VERSION, "pid": os.getpid(), "state": Node.State.ONLINE,
-                "registered_at": now, "last_seen": now,
+                "agent_version": AGENT_VERSION,
+                "pid": os.getpid(),
+                "state": Node.State.ONLINE,
+                "registered_at": now,
+                "last_seen": now,
             },
         )
         self.node_id = node.pk
-        logger.info("%s node %s in pool %s (%s)", "registered" if created else "re-registered",
-                    self.worker_name, self.slug, ", ".join(str(d.get("name")) for d in devices))
+        logger.info(
+            "%s node %s in pool %s (%s)",
+            "registered" if created else "re-registered",
+            self.worker_name,
+            self.slug,
+            ", ".join(str(d.get("name")) for d in devices),
+        )
         return node.pk
 
     def beat(self) -> None:

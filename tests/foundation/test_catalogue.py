@@ -1,4 +1,5 @@
 """The accelerator catalogue seeded by migration, and the derived pool figures."""
+
 from __future__ import annotations
 
 import importlib
@@ -51,8 +52,16 @@ def test_catalogue_matches_the_simulator():
     assert set(ours) == set(sim.BY_SLUG)
     for slug, row in ours.items():
         acc = sim.get(slug)
-        for field in ("vendor", "model", "kind", "generation", "year", "memory_gib", "peak_bf16_tflops",
-                      "tdp_watts"):
+        for field in (
+            "vendor",
+            "model",
+            "kind",
+            "generation",
+            "year",
+            "memory_gib",
+            "peak_bf16_tflops",
+            "tdp_watts",
+        ):
             assert getattr(acc, field) == row[field], (slug, field)
 
 
@@ -70,8 +79,15 @@ def test_derived_figures(fleet):
 @pytest.mark.django_db
 def test_cost_is_decimal_exact(catalogue):
     cpu = AcceleratorType.objects.get(slug="cpu")
-    p = Pool.objects.create(slug="c", name="c", region="r", accelerator=cpu, device_count=3,
-                            cost_per_device_hour=Decimal("0.1"), link_gbps=1)
+    p = Pool.objects.create(
+        slug="c",
+        name="c",
+        region="r",
+        accelerator=cpu,
+        device_count=3,
+        cost_per_device_hour=Decimal("0.1"),
+        link_gbps=1,
+    )
     p.refresh_from_db()
     assert p.cost_per_device_hour == Decimal("0.1000")
     assert p.cost_per_hour == pytest.approx(0.3)

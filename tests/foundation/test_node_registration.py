@@ -1,4 +1,5 @@
 """Node self-registration, exercised with a real Celery worker process."""
+
 from __future__ import annotations
 
 import os
@@ -29,13 +30,34 @@ def database_url() -> str:
 
 def start_worker(tmp_path: Path, slug: str, name: str, token: str | None, queue: str | None = None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_POOL")}
-    env.update(DATABASE_URL=database_url(), DILOCO_POOL=slug, HEARTBEAT_INTERVAL_S="0.3",
-               DILOCO_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1")
+    env.update(
+        DATABASE_URL=database_url(),
+        DILOCO_POOL=slug,
+        HEARTBEAT_INTERVAL_S="0.3",
+        DILOCO_VAR_DIR=str(tmp_path / "var"),
+        PYTHONUNBUFFERED="1",
+    )
     if token:
         env["DILOCO_POOL_TOKEN"] = token
     log = tmp_path / f"{name}.log"
-    cmd = [sys.executable, "-m", "celery", "-A", "diloco_platform", "worker", "-Q", queue or f"pool.{slug}",
-           "-n", f"{name}@%h", "--pool", "solo", "--without-gossip", "--without-mingle", "-l", "info"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "diloco_platform",
+        "worker",
+        "-Q",
+        queue or f"pool.{slug}",
+        "-n",
+        f"{name}@%h",
+        "--pool",
+        "solo",
+        "--without-gossip",
+        "--without-mingle",
+        "-l",
+        "info",
+    ]
     fh = log.open("wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
     fh.close()
@@ -67,8 +89,14 @@ def stop(proc):
 
 @pytest.fixture
 def cpu_pool(catalogue):
-    return Pool.objects.create(slug="reg-pool", name="reg", region="local",
-                               accelerator=AcceleratorType.objects.get(slug="cpu"), device_count=1, link_gbps=10)
+    return Pool.objects.create(
+        slug="reg-pool",
+        name="reg",
+        region="local",
+        accelerator=AcceleratorType.objects.get(slug="cpu"),
+        device_count=1,
+        link_gbps=10,
+    )
 
 
 @pytest.mark.e2e
@@ -77,8 +105,9 @@ def test_worker_registers_heartbeats_and_goes_offline(tmp_path, cpu_pool):
     _, token = PoolToken.issue(cpu_pool)
     proc, log = start_worker(tmp_path, "reg-pool", "reg-pool", token)
     try:
-        node = wait_for(lambda: Node.objects.filter(pool=cpu_pool).first(), 90, "the node to register",
-                        proc, log)
+        node = wait_for(
+            lambda: Node.objects.filter(pool=cpu_pool).first(), 90, "the node to register", proc, log
+        )
         assert node.worker_name == f"reg-pool@{socket.gethostname()}"
         assert node.hostname == socket.gethostname()
         assert node.pid == proc.pid
@@ -108,12 +137,15 @@ def test_worker_registers_heartbeats_and_goes_offline(tmp_path, cpu_pool):
 @pytest.mark.e2e
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)
 def test_worker_with_a_wrong_token_is_refused(tmp_path, cpu_pool):
-    other = Pool.objects.create(slug="other", name="o", region="r", accelerator=cpu_pool.accelerator,
-                                device_count=1, link_gbps=1)
+    other = Pool.objects.create(
+        slug="other", name="o", region="r", accelerator=cpu_pool.accelerator, device_count=1, link_gbps=1
+    )
     _, foreign = PoolToken.issue(other)
     proc, log = start_worker(tmp_path, "reg-pool", "intruder", foreign)
     try:
-        wait_for(lambda: " ready." in log.read_text(errors="replace"), 90, "the worker to be ready", proc, log)
+        wait_for(
+            lambda: " ready." in log.read_text(errors="replace"), 90, "the worker to be ready", proc, log
+        )
         time.sleep(0.5)
     finally:
         stop(proc)
@@ -142,12 +174,20 @@ def test_agent_registers_and_reregisters(cpu_pool):
 
 def test_detect_devices_reads_nvidia_smi(tmp_path, monkeypatch):
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho '0, NVIDIA H200, 143771, GPU-aaaa'\necho '1, NVIDIA H200, 143771, GPU-bbbb'\n")
+    smi.write_text(
+        "#!/bin/sh\necho '0, NVIDIA H200, 143771, GPU-aaaa'\necho '1, NVIDIA H200, 143771, GPU-bbbb'\n"
+    )
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     devs = detect_devices()
     assert [d["name"] for d in devs] == ["NVIDIA H200", "NVIDIA H200"]
-    assert devs[0] == {"kind": "cuda", "index": 0, "name": "NVIDIA H200", "memory_gib": 140.4, "uuid": "GPU-aaaa"}
+    assert devs[0] == {
+        "kind": "cuda",
+        "index": 0,
+        "name": "NVIDIA H200",
+        "memory_gib": 140.4,
+        "uuid": "GPU-aaaa",
+    }
 
 
 def test_detect_devices_falls_back_to_cpu(tmp_path, monkeypatch):
