@@ -2,4 +2,18 @@ from django.urls import path
 
 from . import views
 
-urlpatterns = [path("", views.overview, name="overview")]
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", views.overview, name="overview"),
+    path("fleet/", views.fleet, name="fleet"),
+    path("fleet/<slug:slug>/", views.pool_detail, name="pool"),
+    path("fleet/<slug:slug>/drain", views.pool_drain, name="pool-drain"),
+    path("jobs/", views.job_list, name="jobs"),
+    path("account/tokens/", views.tokens, name="tokens"),
+    path("jobs/new", views.job_new, name="job-new"),
+    path("jobs/<int:pk>/", views.job_detail, name="job"),
+    path("jobs/<int:pk>/series.json", views.job_series, name="job-series"),
+    path("jobs/<int:pk>/<str:action>", views.job_action, name="job-action"),
+    path("jobs/<int:pk>/checkpoints/<int:version>/download", views.checkpoint_download, name="checkpoint"),
+]

@@ -1,7 +1,347 @@
+"""Server-rendered dashboard pages. Live parts update over /ws/jobs/<id>/ and /ws/fleet/."""
+from __future__ import annotations
+
+import logging
+import mimetypes
+from collections import defaultdict
+from datetime import timedelta
+
+from django.contrib import messages
+from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
-from django.http import HttpResponse
+from django.core.paginator import Paginator
+from django.db.models import Count, Q
+from django.http import FileResponse, Http404, HttpResponseRedirect, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from apps.inventory.models import Node, Pool
+from apps.jobs import services
+from apps.jobs import state as st
+from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, OuterStep
+from apps.jobs.spec import SpecError
+
+from . import data
+from .forms import JobSpecForm
+from .preview import dry_run
+
+log = logging.getLogger(__name__)
+
+JOB_CHART_BUCKETS = 300
+SPARK_BUCKETS = 40
+SPARK_JOBS = 12
+TIMELINE_LIMIT = 200
+OUTER_STEPS_FOR_HEALTH = 50
+
+
+def _publish_fleet(msg: dict) -> None:
+    try:
+        from apps.telemetry.publish import publish_fleet
+    except ImportError:
+        return
+    try:
+        publish_fleet(msg)
+    except Exception:  # the page is right after a reload anyway; never fail the action
+        log.exception("publish_fleet failed")
+
+
+# --------------------------------------------------------------------------- overview
+@login_required
+def overview(request):
+    jobs = data.visible_jobs(request.user)
+    running = list(jobs.filter(status__in=data.ACTIVE).select_related("owner")
+                   .order_by("-started_at", "-created_at")[:SPARK_JOBS])
+    series = data.downsample([j.pk for j in running], ["train_loss", "goodput"], SPARK_BUCKETS)
+    for j in running:
+        s = series.get(j.pk, {})
+        j.loss_points = [v for _, _, v in s.get("train_loss", [])]
+        j.goodput_points = [v for _, _, v in s.get("goodput", [])]
+    counts = dict(jobs.values_list("status").annotate(n=Count("id")).order_by())
+    incidents = list(
+        Incident.objects.filter(healed_at__isnull=True)
+        .filter(Q(job__in=jobs) if not request.user.is_staff else Q())
+        .select_related("job", "pool", "learner").order_by("-detected_at")[:20]
+    )
+    return render(request, "dashboard/overview.html", {
+        "running": running,
+        "active_total": sum(counts.get(s, 0) for s in data.ACTIVE),
+        "counts": counts,
+        "pools": data.pool_rows(),
+        "incidents": incidents,
+        "today": data.energy_cost_today(jobs),
+        "nav": "overview",
+    })
+
+
+# --------------------------------------------------------------------------- fleet
+@login_required
+def fleet(request):
+    pools = list(Pool.objects.select_related("accelerator"))
+    return render(request, "dashboard/fleet.html", {
+        "rows": data.pool_rows(pools),
+        "nav": "fleet",
+    })
 
 
 @login_required
-def overview(request):
-    return HttpResponse("DiLoCo platform")
+def pool_detail(request, slug):
+    pool = get_object_or_404(Pool.objects.select_related("accelerator"), slug=slug)
+    learners = Learner.objects.filter(pool=pool).exclude(
+        state__in=[Learner.State.DONE, Learner.State.REMOVED, Learner.State.STOPPED]).select_related(
+        "job", "node").order_by("job_id", "index")
+    if not request.user.is_staff:
+        learners = learners.filter(job__owner=request.user)
+    events = Event.objects.filter(pool=pool).order_by("-time")[:50]
+    return render(request, "dashboard/pool.html", {
+        "pool": pool,
+        "rows": data.pool_rows([pool]),
+        "nodes": list(Node.objects.filter(pool=pool).order_by("hostname")),
+        "learners": list(learners[:200]),
+        "events": list(events),
+        "nav": "fleet",
+    })
+
+
+@staff_member_required
+@require_POST
+def pool_drain(request, slug):
+    """Stop placing on a pool; the coordinator moves its learners elsewhere."""
+    pool = get_object_or_404(Pool, slug=slug)
+    target = request.POST.get("state", Pool.State.DRAINING)
+    if target not in (Pool.State.DRAINING, Pool.State.ACTIVE):
+        messages.error(request, f"unknown pool state {target!r}")
+        return HttpResponseRedirect(_next_url(request, reverse("dashboard:pool", args=[slug])))
+    if pool.state != target:
+        Pool.objects.filter(pk=pool.pk).update(state=target, updated_at=timezone.now())
+        pool.state = target
+        verb = "drained" if target == Pool.State.DRAINING else "re-activated"
+        reason = f"{verb} by {request.user.username} from the dashboard"
+        Event.objects.create(pool=pool, kind=Event.Kind.DRAINED if target == Pool.State.DRAINING
+                             else Event.Kind.INFO, message=f"pool {pool.slug} {verb}",
+                             payload={"pool": pool.slug, "state": target, "reason": reason})
+        affected = list(Learner.objects.filter(pool=pool, job__status__in=data.ACTIVE)
+                        .values_list("job_id", flat=True).distinct())
+        for job_id in affected:
+            services._kick_coordinator(job_id)
+        _publish_fleet({"type": "pool", "id": pool.pk, "slug": pool.slug, "state": target,
+                        "state_display": pool.get_state_display()})
+        messages.success(request, f"Pool {pool.slug} {verb}.")
+    return HttpResponseRedirect(_next_url(request, reverse("dashboard:pool", args=[slug])))
+
+
+def _next_url(request, default: str) -> str:
+    nxt = request.POST.get("next", "")
+    return nxt if nxt.startswith("/") and not nxt.startswith("//") else default
+
+
+# --------------------------------------------------------------------------- jobs
+@login_required
+def job_list(request):
+    jobs = data.visible_jobs(request.user).select_related("owner")
+    status = request.GET.get("status", "")
+    q = request.GET.get("q", "").strip()[:100]
+    counts = dict(data.visible_jobs(request.user).values_list("status").annotate(n=Count("id")).order_by())
+    if status == "active":
+        jobs = jobs.filter(status__in=data.ACTIVE)
+    elif status in st.STATUSES:
+        jobs = jobs.filter(status=status)
+    else:
+        status = ""
+    if q:
+        cond = Q(name__icontains=q) | Q(team__icontains=q) | Q(owner__username__icontains=q)
+        if q.lstrip("#").isdigit():
+            cond |= Q(pk=int(q.lstrip("#")))
+        jobs = jobs.filter(cond)
+    page = Paginator(jobs.order_by("-created_at"), 25).get_page(request.GET.get("page"))
+    filters = [("", "All", sum(counts.values())),
+               ("active", "Active", sum(counts.get(s, 0) for s in data.ACTIVE))]
+    filters += [(s, s.capitalize(), counts.get(s, 0)) for s in st.STATUSES]
+    return render(request, "dashboard/jobs.html", {
+        "page": page, "status": status, "q": q, "filters": filters, "nav": "jobs",
+    })
+
+
+@login_required
+def job_new(request):
+    preview = None
+    if request.method == "POST":
+        form = JobSpecForm(request.POST)
+        if form.is_valid():
+            if request.POST.get("action") == "dry_run":
+                preview = dry_run(form.spec)
+            else:
+                try:
+                    job, _ = services.submit_job(request.user, form.spec.model_dump(mode="json"))
+                except SpecError as exc:  # validated twice: the service is the authority
+                    for field, msgs in exc.errors.items():
+                        for m in msgs:
+                            form.add_error(field if field in form.fields else None, m)
+                else:
+                    messages.success(request, f"Job #{job.pk} submitted.")
+                    return redirect("dashboard:job", pk=job.pk)
+        status = 200 if form.is_valid() else 400
+    else:
+        form = JobSpecForm()
+        status = 200
+    return render(request, "dashboard/job_new.html", {"form": form, "preview": preview, "nav": "new"},
+                  status=status)
+
+
+def _empty_health() -> dict:
+    return {"n": 0, "norm": 0.0, "cos": 0.0, "ncos": 0, "last_norm": None, "last_cos": None}
+
+
+def _contribution_health(job: Job, learners: list[Learner]) -> list[dict]:
+    steps = list(OuterStep.objects.filter(job=job).order_by("-created_at")
+                 .values_list("contributors", flat=True)[:OUTER_STEPS_FOR_HEALTH])
+    acc: dict[int, dict] = defaultdict(_empty_health)
+    for contributors in reversed(steps):  # oldest first, so "last" is the newest
+        for c in contributors or []:
+            try:
+                idx = int(c.get("learner"))
+            except (TypeError, ValueError):
+                continue
+            a = acc[idx]
+            a["n"] += 1
+            if isinstance(c.get("norm"), int | float):
+                a["norm"] += c["norm"]
+                a["last_norm"] = c["norm"]
+            if isinstance(c.get("cosine"), int | float):
+                a["cos"] += c["cosine"]
+                a["ncos"] += 1
+                a["last_cos"] = c["cosine"]
+    rows = []
+    for lr in learners:
+        a = acc.get(lr.index) or _empty_health()
+        mean_cos = a["cos"] / a["ncos"] if a["ncos"] else None
+        rows.append({
+            "learner": lr, "merged": a["n"], "mean_norm": a["norm"] / a["n"] if a["n"] else None,
+            "last_norm": a["last_norm"], "mean_cosine": mean_cos, "last_cosine": a["last_cos"],
+            "rejected": lr.rejected_contributions,
+            "healthy": (mean_cos is None or mean_cos > 0) and lr.rejected_contributions <= a["n"],
+        })
+    return rows
+
+
+def _timeline(job: Job) -> list[dict]:
+    items = [
+        {"time": e.time, "kind": e.kind, "message": e.message,
+         "reason": (e.payload or {}).get("reason", "") if isinstance(e.payload, dict) else "",
+         "pool": e.pool.slug if e.pool else ""}
+        for e in Event.objects.filter(job=job).select_related("pool").order_by("-time")[:TIMELINE_LIMIT]
+    ]
+    incidents = Incident.objects.filter(job=job).select_related("pool").order_by("-detected_at")[:50]
+    for inc in incidents:
+        heal = f", healed after {inc.time_to_heal_s:.1f} s" if inc.healed_at else ", not healed yet"
+        items.append({
+            "time": inc.detected_at, "kind": "incident",
+            "message": f"{inc.kind}: {inc.description}".strip(": "),
+            "reason": f"detected {inc.time_to_detect_s:.1f} s after last sign of life{heal}",
+            "pool": inc.pool.slug if inc.pool else "",
+        })
+    items.sort(key=lambda i: i["time"], reverse=True)
+    return items[:TIMELINE_LIMIT]
+
+
+@login_required
+def job_detail(request, pk):
+    job = get_object_or_404(data.visible_jobs(request.user).select_related("owner"), pk=pk)
+    learners = list(job.learners.select_related("pool", "node").order_by("index"))
+    series = data.downsample([job.pk], data.CHART_SERIES, JOB_CHART_BUCKETS)[job.pk]
+    chart_data = {name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()}
+    pools_here = sorted({lr.pool for lr in learners if lr.pool is not None}, key=lambda p: p.slug)
+    goodput = job.tokens_contributed / job.tokens_computed if job.tokens_computed else None
+    return render(request, "dashboard/job.html", {
+        "job": job,
+        "spec": job.spec,
+        "learners": learners,
+        "health": _contribution_health(job, learners),
+        "timeline": _timeline(job),
+        "checkpoints": list(job.checkpoints.order_by("-version")[:50]),
+        "chart_data": chart_data,
+        "pools_here": pools_here,
+        "goodput": goodput,
+        "can_cancel": st.CANCELLED in st.TRANSITIONS[job.status],
+        "can_pause": st.PAUSING in st.TRANSITIONS[job.status],
+        "can_resume": job.status == st.PAUSED,
+        "nav": "jobs",
+    })
+
+
+@login_required
+def job_series(request, pk):
+    """The job's downsampled chart series (the job page refetches it after a reconnect)."""
+    job = get_object_or_404(data.visible_jobs(request.user).only("pk"), pk=pk)
+    series = data.downsample([job.pk], data.CHART_SERIES, JOB_CHART_BUCKETS)[job.pk]
+    return JsonResponse({name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()})
+
+
+ACTIONS = {"cancel": services.cancel_job, "pause": services.pause_job, "resume": services.resume_job}
+
+
+@login_required
+@require_POST
+def job_action(request, pk, action):
+    job = get_object_or_404(data.visible_jobs(request.user), pk=pk)
+    fn = ACTIONS.get(action)
+    if fn is None:
+        raise Http404("unknown action")
+    try:
+        fn(job, reason=f"{action} by {request.user.username} from the dashboard")
+    except st.IllegalTransition as exc:
+        messages.error(request, f"Cannot {action} job #{job.pk}: {exc}")
+    else:
+        messages.success(request, f"Job #{job.pk}: {action} requested.")
+    return redirect("dashboard:job", pk=job.pk)
+
+
+@login_required
+def checkpoint_download(request, pk, version):
+    job = get_object_or_404(data.visible_jobs(request.user), pk=pk)
+    ckpt = get_object_or_404(Checkpoint, job=job, version=version)
+    import fsspec
+
+    try:
+        fh = fsspec.open(ckpt.blob_uri, "rb").open()
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        raise Http404(f"checkpoint blob unavailable: {exc}") from None
+    name = f"job{job.pk}-v{ckpt.version}-{ckpt.kind}.safetensors"
+    resp = FileResponse(fh, as_attachment=True, filename=name,
+                        content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
+    resp["X-Checksum-SHA256"] = ckpt.sha256
+    return resp
+
+
+# --------------------------------------------------------------------------- API tokens
+@login_required
+def tokens(request):
+    """Personal API tokens (CLI, CI pipelines): create (the key is shown once) and revoke."""
+    from apps.api.models import ApiToken
+
+    new_key = None
+    if request.method == "POST":
+        if request.POST.get("action") == "revoke":
+            tok = get_object_or_404(ApiToken, pk=request.POST.get("token") or 0, user=request.user)
+            tok.revoke()
+            messages.success(request, f"Token “{tok.name}” revoked.")
+            return redirect("dashboard:tokens")
+        name = request.POST.get("name", "").strip()
+        days = request.POST.get("days", "").strip()
+        error = None
+        if not name or len(name) > 60:
+            error = "Give the token a name of 1 to 60 characters."
+        expires_at = None
+        if not error and days:
+            if not days.isdigit() or not 1 <= int(days) <= 3650:
+                error = "Expiry must be a number of days between 1 and 3650, or empty for none."
+            else:
+                expires_at = timezone.now() + timedelta(days=int(days))
+        if error:
+            messages.error(request, error)
+        else:
+            _, new_key = ApiToken.issue(request.user, name=name, expires_at=expires_at)
+    rows = list(ApiToken.objects.filter(user=request.user).order_by("-created_at")[:100])
+    return render(request, "dashboard/tokens.html", {"tokens": rows, "new_key": new_key, "nav": "tokens"},
+                  status=201 if new_key else 200)

@@ -1,0 +1,130 @@
+"""The /jobs/new form, built from the one job-spec schema (trainer.spec.JobSpec).
+
+The Django form only carries the values; the schema validates them (apps.jobs.spec),
+so the dashboard shows the same messages as the API and the CLI, each under its field.
+"""
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from annotated_types import Ge, Gt, Le, Lt, MaxLen
+from django import forms
+
+from apps.inventory.models import Pool
+from apps.jobs.spec import SpecError, validate_spec
+from trainer.spec import JobSpec
+
+# Field groups shown as fieldsets; a schema field missing here lands in "Other".
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("Job", ("name", "strategy", "model", "dataset")),
+    ("Learners", ("learners", "min_learners", "max_learners", "quorum")),
+    ("Schedule", ("steps", "max_tokens", "inner_steps", "fragments", "warmup_steps",
+                  "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),
+    ("Optimisation", ("inner_lr", "outer_lr", "outer_momentum", "weight_decay", "grad_clip",
+                      "batch_size", "seq_len", "seed")),
+    ("Placement", ("objective", "compression", "pools")),
+]
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) for `X | None`."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _label(name: str) -> str:
+    return name.replace("_", " ").capitalize().replace("Lr", "LR").replace(" s", " (s)")
+
+
+def _field_for(name: str, info, pools: list[Pool]) -> forms.Field:
+    typ, optional = _unwrap(info.annotation)
+    default = info.get_default(call_default_factory=True)
+    attrs: dict[str, Any] = {}
+    for m in info.metadata:
+        if isinstance(m, Ge):
+            attrs["min"] = m.ge
+        elif isinstance(m, Gt):
+            attrs["min"] = m.gt
+        elif isinstance(m, Le):
+            attrs["max"] = m.le
+        elif isinstance(m, Lt):
+            attrs["max"] = m.lt
+        elif isinstance(m, MaxLen) and typ is str:
+            attrs["maxlength"] = m.max_length
+    common = {"label": _label(name), "help_text": info.description or "", "required": False}
+    if typing.get_origin(typ) is typing.Literal:
+        choices = [(c, c) for c in typing.get_args(typ)]
+        return forms.ChoiceField(choices=choices, initial=default, **common)
+    if name == "pools":
+        return forms.MultipleChoiceField(
+            choices=[(p.slug, f"{p.slug} ({p.accelerator}, {p.get_state_display().lower()})") for p in pools],
+            widget=forms.CheckboxSelectMultiple, initial=default,
+            **{**common, "help_text": "leave all unticked to let the platform choose"},
+        )
+    if typ in (int, float):
+        attrs["step"] = "1" if typ is int else "any"
+        widget = forms.NumberInput(attrs=attrs)
+    else:
+        widget = forms.TextInput(attrs=attrs)
+    field = forms.CharField(widget=widget, initial=None if optional else default, strip=True, **common)
+    field.optional_in_schema = optional
+    if optional:
+        field.help_text = (field.help_text + " (optional)").strip()
+    return field
+
+
+class JobSpecForm(forms.Form):
+    """Fields generated from JobSpec; clean() runs the shared validation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pools = list(Pool.objects.select_related("accelerator").order_by("slug"))
+        for name, info in JobSpec.model_fields.items():
+            self.fields[name] = _field_for(name, info, self.pools)
+        self.spec: JobSpec | None = None
+
+    def fieldsets(self) -> list[tuple[str, list[forms.BoundField]]]:
+        seen: set[str] = set()
+        out = []
+        for title, names in GROUPS:
+            present = [n for n in names if n in self.fields]
+            seen.update(present)
+            out.append((title, [self[n] for n in present]))
+        rest = [self[n] for n in self.fields if n not in seen]
+        if rest:
+            out.append(("Other", rest))
+        return out
+
+    def spec_data(self) -> dict[str, Any]:
+        """The raw values as the schema expects them (strings for numbers: pydantic parses)."""
+        data: dict[str, Any] = {}
+        for name, field in self.fields.items():
+            value = self.cleaned_data.get(name)
+            if isinstance(field, forms.MultipleChoiceField):
+                data[name] = list(value or [])
+            elif value in (None, ""):
+                if getattr(field, "optional_in_schema", False):
+                    data[name] = None
+                else:
+                    self.add_error(name, "This field is required.")
+            else:
+                data[name] = value
+        return data
+
+    def clean(self):
+        cleaned = super().clean()
+        data = self.spec_data()
+        if self.errors:
+            return cleaned
+        try:
+            self.spec = validate_spec(data)
+        except SpecError as exc:
+            for field, messages in exc.errors.items():
+                target = field.split(".")[0]
+                for msg in messages:
+                    self.add_error(target if target in self.fields else None, msg)
+        return cleaned

@@ -1,0 +1,24 @@
+// Forms with data-confirm="..." ask first in an accessible <dialog>; Confirm submits.
+const dialog = document.getElementById("confirm");
+const text = document.getElementById("confirm-text");
+let pending = null;
+
+document.addEventListener("submit", (ev) => {
+  const form = ev.target;
+  if (!(form instanceof HTMLFormElement) || !form.dataset.confirm) return;
+  if (form.dataset.confirmed === "1") return;
+  ev.preventDefault();
+  pending = form;
+  text.textContent = form.dataset.confirm;
+  dialog.showModal();
+  document.getElementById("confirm-ok").focus();
+});
+
+dialog.addEventListener("close", () => {
+  const form = pending;
+  pending = null;
+  if (form && dialog.returnValue === "ok") {
+    form.dataset.confirmed = "1";
+    form.requestSubmit();
+  }
+});

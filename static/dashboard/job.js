@@ -1,0 +1,247 @@
+// Job page: uPlot charts fed by the server's downsampled series, then by live points
+// from /ws/jobs/<id>/; learner grid, timeline and status follow the same socket.
+import uPlot from "../vendor/uplot/uPlot.esm.js";
+import { connectLive, fmtBytes, fmtSI, setBadge, toDate } from "./live.js";
+
+const JOB = document.getElementById("job-script").dataset.job;
+const SUMMED = new Set(["tokens_per_s", "bytes_sent"]);
+const MAX_POINTS = 3000;
+
+// name -> {tokens: [], time: [], value: []}, sorted by time
+const series = {};
+let livePoints = 0;
+
+function load(raw) {
+  for (const k of Object.keys(series)) delete series[k];
+  for (const [name, pts] of Object.entries(raw || {})) {
+    series[name] = { tokens: pts.map((p) => p[0]), time: pts.map((p) => p[1]), value: pts.map((p) => p[2]) };
+  }
+}
+load(JSON.parse(document.getElementById("chart-data").textContent));
+
+// Latest per-learner value of summed series, so a live point becomes the job's figure.
+const perLearner = {};
+
+function thin(s) {
+  if (s.time.length <= MAX_POINTS) return;
+  const half = Math.floor(s.time.length / 2);
+  for (const k of ["tokens", "time", "value"]) {
+    const old = s[k].slice(0, half).filter((_, i) => i % 2 === 0);
+    s[k] = old.concat(s[k].slice(half));
+  }
+}
+
+function addPoint(p) {
+  if (typeof p.value !== "number" || !Number.isFinite(p.value)) return;
+  const name = p.name;
+  const t = typeof p.time === "number" ? p.time : (toDate(p.time) || new Date()).getTime() / 1000;
+  let value = p.value;
+  if (SUMMED.has(name) && p.learner !== null && p.learner !== undefined) {
+    perLearner[name] = perLearner[name] || {};
+    perLearner[name][p.learner] = value;
+    value = Object.values(perLearner[name]).reduce((a, b) => a + b, 0);
+  }
+  const s = (series[name] = series[name] || { tokens: [], time: [], value: [] });
+  // keep time order (points of several learners interleave)
+  let i = s.time.length;
+  while (i > 0 && s.time[i - 1] > t) i -= 1;
+  s.tokens.splice(i, 0, Number(p.step) || 0);
+  s.time.splice(i, 0, t);
+  s.value.splice(i, 0, value);
+  thin(s);
+  livePoints += 1;
+}
+
+const css = getComputedStyle(document.documentElement);
+const color = (v, fallback) => (css.getPropertyValue(v).trim() || fallback);
+const COLORS = {
+  train_loss: color("--c1", "#2563eb"), val_loss: color("--c2", "#dc2626"),
+  tokens_per_s: color("--c3", "#059669"), goodput: color("--c4", "#7c3aed"),
+  bytes_sent: color("--c5", "#d97706"),
+};
+const axisColor = color("--muted", "#888");
+const gridColor = color("--grid", "rgba(128,128,128,.15)");
+
+function axis(extra = {}) {
+  return { stroke: axisColor, grid: { stroke: gridColor, width: 1 }, ticks: { stroke: gridColor }, ...extra };
+}
+
+// Aligned data for uPlot: union of x values, null where a series has no point.
+function join(names, xKey) {
+  const tables = names.map((n) => {
+    const s = series[n] || { tokens: [], time: [], value: [] };
+    const xs = s[xKey];
+    const idx = xs.map((_, i) => i).sort((a, b) => xs[a] - xs[b]);
+    return [idx.map((i) => xs[i]), idx.map((i) => s.value[i])];
+  });
+  return uPlot.join(tables);
+}
+
+const charts = [];
+
+function makeChart(elId, names, xKey, opts = {}) {
+  const el = document.getElementById(elId);
+  const seriesOpts = [{ label: xKey === "time" ? "time" : "tokens", value: xKey === "time" ? undefined : (u, v) => fmtSI(v) }];
+  for (const n of names) {
+    seriesOpts.push({
+      label: n.replace(/_/g, " "), stroke: COLORS[n], width: 1.5, spanGaps: true,
+      scale: opts.scales && opts.scales[n] ? opts.scales[n] : "y",
+      value: (u, v) => (v === null || v === undefined ? "—" : n === "bytes_sent" ? fmtBytes(v) : fmtSI(v)),
+    });
+  }
+  const axes = [
+    axis(xKey === "time" ? {} : { values: (u, vals) => vals.map((v) => fmtSI(v)) }),
+    axis({ values: (u, vals) => vals.map((v) => fmtSI(v)), size: 60 }),
+  ];
+  if (opts.rightAxis) axes.push(axis({ scale: opts.rightAxis, side: 1, size: 70, grid: { show: false },
+                                        values: (u, vals) => vals.map((v) => fmtBytes(v)) }));
+  const u = new uPlot({
+    width: Math.max(240, el.clientWidth), height: 220, series: seriesOpts, axes,
+    scales: { x: { time: xKey === "time" } },
+    legend: { live: true },
+    cursor: { drag: { x: true, y: false } },
+  }, join(names, xKey), el);
+  charts.push({ u, el, names, xKey });
+}
+
+makeChart("chart-loss-tokens", ["train_loss", "val_loss"], "tokens");
+makeChart("chart-loss-time", ["train_loss", "val_loss"], "time");
+makeChart("chart-tps", ["tokens_per_s"], "time");
+makeChart("chart-goodput", ["goodput", "bytes_sent"], "time",
+  { scales: { bytes_sent: "bytes" }, rightAxis: "bytes" });
+
+new ResizeObserver(() => {
+  for (const c of charts) c.u.setSize({ width: Math.max(240, c.el.clientWidth), height: 220 });
+}).observe(document.querySelector(".charts"));
+
+let redrawQueued = false;
+function redraw() {
+  if (redrawQueued) return;
+  redrawQueued = true;
+  requestAnimationFrame(() => {
+    redrawQueued = false;
+    for (const c of charts) c.u.setData(join(c.names, c.xKey));
+    document.getElementById("live-points").textContent = String(livePoints);
+    const tps = series.tokens_per_s;
+    if (tps && tps.value.length) document.getElementById("kpi-tokens-per-s").textContent = fmtSI(tps.value.at(-1));
+    const val = series.val_loss;
+    if (val && val.value.length) document.getElementById("kpi-val-loss").textContent = val.value.at(-1).toPrecision(4);
+  });
+}
+redraw();
+
+// ----------------------------------------------------------------- learner grid
+const FIELDS = ["node", "incarnation", "tokens", "tokens_per_s", "work_size", "staleness", "loss", "last_heartbeat"];
+
+function learnerRow(index) {
+  const tbody = document.querySelector("#learners tbody");
+  let row = tbody.querySelector(`tr[data-learner="${CSS.escape(String(index))}"]`);
+  if (row) return row;
+  tbody.querySelector("tr.empty")?.remove();
+  row = document.createElement("tr");
+  row.dataset.learner = String(index);
+  const th = document.createElement("th");
+  th.scope = "row";
+  th.textContent = String(index);
+  row.append(th, document.createElement("td"));
+  const node = document.createElement("td");
+  node.dataset.field = "node";
+  const stateTd = document.createElement("td");
+  const badge = document.createElement("span");
+  badge.dataset.field = "state";
+  stateTd.append(badge);
+  row.append(node, stateTd);
+  for (const f of FIELDS.slice(1)) {
+    const td = document.createElement("td");
+    td.dataset.field = f;
+    if (f !== "last_heartbeat") td.className = "n";
+    row.append(td);
+  }
+  tbody.append(row);
+  return row;
+}
+
+function onLearner(msg) {
+  const index = msg.index ?? msg.learner;
+  if (index === undefined || index === null) return;
+  const row = learnerRow(index);
+  if (msg.state) setBadge(row.querySelector('[data-field="state"]'), msg.state);
+  const set = (f, text) => {
+    const td = row.querySelector(`[data-field="${f}"]`);
+    if (td) td.textContent = text;
+  };
+  if (msg.node !== undefined) set("node", msg.node_hostname || msg.node || "—");
+  for (const f of ["incarnation", "work_size", "staleness"]) if (msg[f] !== undefined) set(f, String(msg[f]));
+  if (msg.tokens !== undefined) set("tokens", fmtSI(msg.tokens));
+  if (msg.tokens_per_s !== undefined) set("tokens_per_s", fmtSI(msg.tokens_per_s));
+  if (typeof msg.loss === "number") set("loss", msg.loss.toPrecision(4));
+  const hb = toDate(msg.last_heartbeat ?? msg.time);
+  if (hb) set("last_heartbeat", hb.toLocaleTimeString([], { hour12: false }));
+}
+
+// ----------------------------------------------------------------- timeline, status
+function onEvent(msg) {
+  const ul = document.getElementById("timeline");
+  ul.querySelector("li.empty")?.remove();
+  const li = document.createElement("li");
+  li.className = `kind-${msg.kind || "info"} fresh`;
+  const when = toDate(msg.time) || new Date();
+  const time = document.createElement("time");
+  time.dateTime = when.toISOString();
+  time.textContent = when.toLocaleTimeString([], { hour12: false });
+  const strong = document.createElement("strong");
+  strong.textContent = msg.kind || "event";
+  li.append(time, " ", strong, " ", msg.message || "");
+  const reason = msg.reason || (msg.payload && msg.payload.reason);
+  if (reason) {
+    const sub = document.createElement("div");
+    sub.className = "sub";
+    sub.textContent = reason;
+    li.append(sub);
+  }
+  ul.prepend(li);
+  while (ul.children.length > 200) ul.lastElementChild.remove();
+}
+
+const TERMINAL = new Set(["completed", "failed", "cancelled"]);
+function onJob(msg) {
+  if (msg.status) {
+    const badge = document.getElementById("job-status");
+    setBadge(badge, msg.status);
+    badge.dataset.status = msg.status;
+    if (TERMINAL.has(msg.status)) {
+      document.querySelectorAll(".actions button").forEach((b) => { b.disabled = true; });
+    }
+  }
+  if (msg.status_reason !== undefined) document.getElementById("status-reason").textContent = msg.status_reason;
+  if (msg.outer_steps !== undefined) document.getElementById("kpi-outer-steps").textContent = String(msg.outer_steps);
+  if (msg.tokens_computed !== undefined) document.getElementById("kpi-tokens").textContent = fmtSI(msg.tokens_computed);
+  if (msg.bytes_sent !== undefined) document.getElementById("kpi-bytes").textContent = fmtBytes(msg.bytes_sent);
+  if (msg.tokens_computed && msg.tokens_contributed !== undefined) {
+    document.getElementById("kpi-goodput").textContent =
+      `${((100 * msg.tokens_contributed) / msg.tokens_computed).toFixed(1)} %`;
+  }
+}
+
+function onMessage(msg) {
+  switch (msg.type) {
+    case "metrics":
+      for (const p of msg.points || []) addPoint(p);
+      redraw();
+      break;
+    case "learner": onLearner(msg); break;
+    case "event": onEvent(msg); break;
+    case "job": onJob(msg); break;
+    default: break;
+  }
+}
+
+// After a reconnect, points sent while we were away are in the database: fetch them.
+async function refetch() {
+  const resp = await fetch(`/jobs/${JOB}/series.json`, { headers: { Accept: "application/json" } });
+  if (!resp.ok) return;
+  load(await resp.json());
+  redraw();
+}
+
+connectLive(`/ws/jobs/${JOB}/`, onMessage, { onReconnect: () => { refetch().catch(() => {}); } });

@@ -1,0 +1,153 @@
+"""Page contents, bounded query counts, server-side downsampling, tokens, bench."""
+from __future__ import annotations
+
+import json
+import math
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from apps.dashboard.data import downsample
+from apps.dashboard.seeding import seed_jobs
+from apps.jobs.models import Checkpoint, Incident, MetricPoint, OuterStep
+
+
+def _points(job, n, name="train_loss", learners=None, start=0, stride=100):
+    now = timezone.now()
+    rows = []
+    for i in range(n):
+        lr = learners[i % len(learners)] if learners else None
+        rows.append(MetricPoint(job=job, learner=lr, name=name, step=(start + i) * stride,
+                                value=float(i), time=now - timedelta(seconds=n - i)))
+    MetricPoint.objects.bulk_create(rows)
+
+
+@pytest.mark.django_db
+def test_downsample_bounds_points_and_keeps_shape(alice, job_factory):
+    job = job_factory(alice)
+    _points(job, 5000)
+    _points(job, 50, name="val_loss", stride=10_000)  # sparse, across the same token range
+    out = downsample([job.pk], ["train_loss", "val_loss", "goodput"], buckets=100)[job.pk]
+    train = out["train_loss"]
+    assert 90 <= len(train) <= 100
+    xs = [x for x, _, _ in train]
+    assert xs == sorted(xs)
+    assert train[0][2] < 60 and train[-1][2] > 4900  # means of the first/last buckets
+    # every value is the mean of its bucket: the overall mean is preserved (equal buckets)
+    assert math.isclose(sum(v for _, _, v in train) / len(train), 2499.5, rel_tol=0.02)
+    assert len(out["val_loss"]) == 50
+    assert "goodput" not in out
+
+
+@pytest.mark.django_db
+def test_downsample_sums_per_learner_rates(alice, job_factory):
+    job = job_factory(alice, learners=2)
+    lrs = list(job.learners.all())
+    now = timezone.now()
+    MetricPoint.objects.bulk_create([
+        MetricPoint(job=job, learner=lr, name="tokens_per_s", step=i * 10, value=1000.0 * (lr.index + 1),
+                    time=now) for i in range(100) for lr in lrs])
+    pts = downsample([job.pk], ["tokens_per_s"], buckets=10)[job.pk]["tokens_per_s"]
+    assert all(math.isclose(v, 3000.0) for _, _, v in pts)  # 1000 + 2000, not their mean
+
+
+@pytest.mark.django_db
+def test_job_page_contents(client, alice, job_factory):
+    job = job_factory(alice, name="shown")
+    lrs = list(job.learners.all())
+    _points(job, 500, learners=lrs)
+    OuterStep.objects.create(job=job, fragment=0, version=1, merged_norm=0.5, contributors=[
+        {"learner": 0, "norm": 0.4, "cosine": 0.8}, {"learner": 1, "norm": 0.9, "cosine": -0.2}])
+    Incident.objects.create(job=job, learner=lrs[0], kind="learner_lost", description="worker killed",
+                            failed_at=timezone.now() - timedelta(seconds=3), detected_at=timezone.now())
+    Checkpoint.objects.create(job=job, version=7, blob_uri="memory://x/7", size_bytes=2048, sha256="ab" * 32)
+    client.force_login(alice)
+    resp = client.get(f"/jobs/{job.pk}/")
+    body = resp.content.decode()
+    assert resp.status_code == 200
+    assert 'id="chart-loss-tokens"' in body and 'id="chart-data"' in body
+    data = json.loads(body.split('<script id="chart-data" type="application/json">')[1].split("</script>")[0])
+    assert 0 < len(data["train_loss"]) <= 300
+    assert "worker killed" in body and "detected 3.0 s after" in body
+    assert f"/jobs/{job.pk}/checkpoints/7/download" in body
+    health = {h["learner"].index: h for h in resp.context["health"]}
+    assert health[0]["healthy"] and not health[1]["healthy"]
+    assert 'data-confirm="Cancel job' in body and 'data-confirm="Pause job' in body
+
+
+@pytest.mark.django_db
+def test_checkpoint_download(client, alice, bob, job_factory, tmp_path):
+    job = job_factory(alice)
+    blob = tmp_path / "ckpt.safetensors"
+    blob.write_bytes(b"weights!" * 10)
+    Checkpoint.objects.create(job=job, version=3, blob_uri=f"file://{blob}", size_bytes=80, sha256="cd" * 32)
+    Checkpoint.objects.create(job=job, version=4, blob_uri=f"file://{tmp_path}/gone", size_bytes=1,
+                              sha256="00" * 32)
+    client.force_login(alice)
+    resp = client.get(f"/jobs/{job.pk}/checkpoints/3/download")
+    assert resp.status_code == 200
+    assert b"".join(resp.streaming_content) == b"weights!" * 10
+    assert "attachment" in resp["Content-Disposition"]
+    assert client.get(f"/jobs/{job.pk}/checkpoints/4/download").status_code == 404
+    client.force_login(bob)
+    assert client.get(f"/jobs/{job.pk}/checkpoints/3/download").status_code == 404
+
+
+@pytest.mark.django_db
+def test_query_counts_stay_bounded(client, staff_user, django_assert_max_num_queries):
+    jobs = seed_jobs(staff_user, jobs=12, points=6000, learners=3)
+    running = next(j for j in jobs if j.status == "running")
+    client.force_login(staff_user)
+    for url, limit in [("/", 12), ("/fleet/", 6), ("/fleet/h100-east/", 9), ("/jobs/", 6),
+                       ("/jobs/?status=running&q=bench", 6), ("/jobs/new", 4),
+                       (f"/jobs/{running.pk}/", 11), (f"/jobs/{running.pk}/series.json", 5)]:
+        with django_assert_max_num_queries(limit):
+            assert client.get(url).status_code == 200, url
+
+
+@pytest.mark.django_db
+def test_overview_shows_sparklines_incidents_and_energy(client, alice, job_factory):
+    job = job_factory(alice, name="sparky", energy_j=7.2e6, cost=12.5)
+    _points(job, 200)
+    _points(job, 200, name="goodput")
+    Incident.objects.create(job=job, kind="learner_lost", description="open one",
+                            failed_at=timezone.now(), detected_at=timezone.now())
+    client.force_login(alice)
+    body = client.get("/").content.decode()
+    assert 'aria-label="loss of job sparky' in body and "<polyline" in body
+    assert "open one" in body
+    assert "2.00 kWh" in body and "12.50" in body
+
+
+@pytest.mark.django_db
+def test_api_tokens_create_and_revoke(client, alice, bob):
+    from apps.api.models import ApiToken
+
+    client.force_login(alice)
+    resp = client.post("/account/tokens/", {"action": "create", "name": "ci", "days": "30"})
+    assert resp.status_code == 201
+    raw = resp.context["new_key"]
+    tok = ApiToken.lookup(raw)
+    assert tok is not None and tok.user == alice and raw in resp.content.decode()
+    assert raw not in client.get("/account/tokens/").content.decode()  # shown once
+    assert client.post("/account/tokens/", {"action": "create", "name": ""}).status_code == 200
+    assert ApiToken.objects.count() == 1
+    client.force_login(bob)
+    assert client.post("/account/tokens/", {"action": "revoke", "token": tok.pk}).status_code == 404
+    client.force_login(alice)
+    client.post("/account/tokens/", {"action": "revoke", "token": tok.pk})
+    assert ApiToken.lookup(raw) is None
+
+
+@pytest.mark.django_db
+def test_bench_command_runs_and_rolls_back(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    call_command("dashboard_bench", jobs=4, points=800, repeat=1, json_path=str(out))
+    report = json.loads(out.read_text())
+    assert report["jobs"] == 4 and report["metric_points"] == 800
+    assert {p["page"] for p in report["pages"]} >= {"overview", "fleet", "jobs", "job detail"}
+    assert all(p["status"] == 200 and p["median_ms"] > 0 and p["queries"] > 0 for p in report["pages"])
+    assert "median ms" in capsys.readouterr().out
+    assert MetricPoint.objects.count() == 0  # rolled back
