@@ -1,0 +1,276 @@
+"""The learner: inner AdamW loop on its own data stream, contributions on a staggered schedule.
+
+One inner step = one AdamW step on one batch of this learner's `TokenStream` (linear warmup,
+cosine decay to `inner_lr * min_lr_ratio` over `config.steps`, global-norm clipping).
+
+After inner step s of its current cycle, fragment p is due when
+`s in sync_schedule(s, H_learner, P)`. The learner then emits a `Contribution` with the
+pseudo-gradient `base_p - local_p` (base_p = the global fragment at the version it last
+adopted) and the tokens / inner steps behind it (counted since that base). It never waits.
+While a contribution for p is outstanding (sent, no newer global version adopted since),
+the next one for p is skipped: the progress stays in the local weights and goes out with the
+next contribution. So one (learner, incarnation, fragment, base_version) key names exactly
+one payload.
+
+Adoption of a newer global fragment g (Streaming DiLoCo overlap):
+    local_p <- g + mix_alpha * (local_p - ref_p)
+where ref_p is the local weights at the time the outstanding contribution was sent (the
+progress made meanwhile is kept, scaled by mix_alpha), or the previous base when nothing was
+outstanding (the unsent progress is kept, scaled). With lock-step learners (nothing happens
+between send and adopt) this is classic DiLoCo: local <- global. The inner AdamW state is kept.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.config import TrainConfig
+from trainer.data import Corpus, TokenStream
+from trainer.fragments import make_fragments, sync_schedule
+from trainer.models import autocast, build_model, pick_device
+from trainer.protocol import Contribution, GlobalFragment
+
+STATE_VERSION = 1
+
+
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int
+    step: int
+
+
+def inner_lr(config: TrainConfig, step: int) -> float:
+    """Learning rate of inner step `step` (0-based): linear warmup, then cosine."""
+    if step < config.warmup_steps:
+        return config.inner_lr * (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    floor = config.min_lr_ratio
+    return config.inner_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def load_corpus(config: TrainConfig) -> Corpus:
+    return Corpus.load(config.dataset, cache_dir=config.cache_dir, tokenizer=config.tokenizer,
+                       val_fraction=config.val_fraction)
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=tuple(config.betas), **kwargs)
+
+
+class Learner:
+    def __init__(self, config: TrainConfig, index: int, incarnation: int = 0, corpus: Corpus | None = None,
+                 model: nn.Module | None = None, job: str = "local", num_learners: int | None = None,
+                 standalone: bool = False) -> None:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.index = index
+        self.incarnation = incarnation
+        self.job = job
+        self.standalone = standalone
+        self.device = pick_device(config.device)
+        self.corpus = corpus if corpus is not None else load_corpus(config)
+        if model is None:
+            model = build_model(config.model, config.seq_len, config.seed, vocab_size=self.corpus.vocab_size)
+        self.model = model.to(self.device)
+        self.model.train()
+        self.params = dict(self.model.named_parameters())
+        self.fragments = make_fragments(self.model, config.fragments, config.fragment_mode)
+        self.stream = TokenStream(self.corpus, index, num_learners or config.learners, config.batch_size,
+                                  config.seq_len, config.seed)
+        self.optimizer = make_optimizer(self.model, config, self.device)
+        self.base: dict[int, dict[str, torch.Tensor]] = {
+            p: {n: self.params[n].detach().float().clone() for n in names} for p, names in enumerate(self.fragments)}
+        self.adopted_versions: dict[int, int] = dict.fromkeys(range(len(self.fragments)), 0)
+        self._sent: dict[int, dict[str, torch.Tensor] | None] = dict.fromkeys(range(len(self.fragments)))
+        self._since: dict[int, list[int]] = {p: [0, 0] for p in range(len(self.fragments))}
+        self._sent_counts: dict[int, list[int]] = {p: [0, 0] for p in range(len(self.fragments))}
+        self.work_size = config.inner_steps
+        self._next_work_size: int | None = None
+        self.cycle_step = 0
+        self.inner_steps = 0
+        self.tokens = 0
+        self.last_loss = float("nan")
+        self._due: list[Contribution] = []
+        self.skipped_sends = 0
+
+    # -- training ---------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        if self.inner_steps >= self.config.steps:
+            return True
+        if self.config.max_tokens:
+            return self.tokens >= self.config.max_tokens // max(1, self.stream.num_learners)
+        return False
+
+    def step(self) -> StepResult:
+        lr = inner_lr(self.config, self.inner_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.stream.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
+        with autocast(self.device, self.config.bf16):
+            loss = self.model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        ntok = x.numel()
+        self.inner_steps += 1
+        self.tokens += ntok
+        for since in self._since.values():
+            since[0] += ntok
+            since[1] += 1
+        self.cycle_step += 1
+        if not self.standalone:
+            for p in sync_schedule(self.cycle_step, self.work_size, len(self.fragments)):
+                self._contribute(p)
+        if self.cycle_step >= self.work_size:
+            self.cycle_step = 0
+            if self._next_work_size is not None:
+                self.work_size, self._next_work_size = self._next_work_size, None
+        self.last_loss = float(loss)
+        return StepResult(loss=self.last_loss, tokens=ntok, step=self.inner_steps)
+
+    def set_work_size(self, inner_steps_per_cycle: int) -> None:
+        """New H for this learner (dynamic local updates); applies from the next cycle."""
+        h = int(inner_steps_per_cycle)
+        if h < 1:
+            raise ValueError("work size must be >= 1")
+        if self.cycle_step == 0:
+            self.work_size = h
+        else:
+            self._next_work_size = h
+
+    # -- protocol ---------------------------------------------------------------------------
+    def _contribute(self, p: int) -> None:
+        tokens, steps = self._since[p]
+        if steps == 0:
+            return
+        if self._sent[p] is not None:
+            self.skipped_sends += 1
+            return
+        names = self.fragments[p]
+        with torch.no_grad():
+            local = {n: self.params[n].detach().float().clone() for n in names}
+            delta = {n: (self.base[p][n] - local[n]).cpu() for n in names}
+        self._sent[p] = local
+        self._sent_counts[p] = [tokens, steps]
+        self._due.append(Contribution(job=self.job, learner=self.index, incarnation=self.incarnation, fragment=p,
+                                      base_version=self.adopted_versions[p], tokens=tokens, inner_steps=steps,
+                                      tensors=delta))
+
+    def due_contributions(self) -> list[Contribution]:
+        out, self._due = self._due, []
+        return out
+
+    def flush(self) -> list[Contribution]:
+        """Contributions for every fragment with unsent progress (end of a run)."""
+        for p in range(len(self.fragments)):
+            self._contribute(p)
+        return self.due_contributions()
+
+    def outstanding(self, p: int) -> bool:
+        return self._sent[p] is not None
+
+    def expected_shapes(self, p: int) -> dict[str, tuple]:
+        return {n: tuple(self.params[n].shape) for n in self.fragments[p]}
+
+    @torch.no_grad()
+    def adopt(self, g: GlobalFragment) -> bool:
+        """Adopt a newer global version of a fragment. Returns False when it is not newer."""
+        p = g.fragment
+        if not 0 <= p < len(self.fragments):
+            raise ValueError(f"fragment {p} out of range")
+        if g.version <= self.adopted_versions[p]:
+            return False
+        names = self.fragments[p]
+        if set(g.tensors) != set(names):
+            raise ValueError(f"global fragment {p} does not hold this fragment's tensors")
+        alpha = self.config.mix_alpha
+        ref = self._sent[p] if self._sent[p] is not None else self.base[p]
+        for n in names:
+            new = g.tensors[n].to(self.device, dtype=torch.float32)
+            param = self.params[n]
+            if alpha == 0:
+                param.copy_(new)
+            else:
+                mixed = (param.detach().float() - ref[n]).mul_(alpha).add_(new)
+                param.copy_(mixed)
+            self.base[p][n] = new.clone()
+        if self._sent[p] is not None:
+            # keep counting only the progress made since the send
+            since, sent = self._since[p], self._sent_counts[p]
+            self._since[p] = [since[0] - sent[0], since[1] - sent[1]]
+        self._sent[p] = None
+        self.adopted_versions[p] = g.version
+        return True
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "index": self.index,
+            "incarnation": self.incarnation,
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "stream": self.stream.state_dict(),
+            "adopted_versions": dict(self.adopted_versions),
+            "base": {p: {n: t.cpu().clone() for n, t in d.items()} for p, d in self.base.items()},
+            "sent": {p: (None if d is None else {n: t.cpu().clone() for n, t in d.items()})
+                     for p, d in self._sent.items()},
+            "sent_counts": {p: list(v) for p, v in self._sent_counts.items()},
+            "since": {p: list(v) for p, v in self._since.items()},
+            "inner_steps": self.inner_steps,
+            "tokens": self.tokens,
+            "cycle_step": self.cycle_step,
+            "work_size": self.work_size,
+            "next_work_size": self._next_work_size,
+            "due": [dict(c.header(), tensors=c.tensors, checksum=c.checksum) for c in self._due],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"learner state version {state.get('version')!r} is not {STATE_VERSION}")
+        if state["index"] != self.index:
+            raise ValueError(f"state of learner {state['index']} loaded into learner {self.index}")
+        if len(state["base"]) != len(self.fragments):
+            raise ValueError("state has a different number of fragments")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stream.load_state_dict(state["stream"])
+        self.adopted_versions = {int(p): int(v) for p, v in state["adopted_versions"].items()}
+        self.base = {int(p): {n: t.to(self.device).float().clone() for n, t in d.items()}
+                     for p, d in state["base"].items()}
+        self._since = {int(p): [int(a), int(b)] for p, (a, b) in state["since"].items()}
+        self.inner_steps = int(state["inner_steps"])
+        self.tokens = int(state["tokens"])
+        self.cycle_step = int(state["cycle_step"])
+        self.work_size = int(state["work_size"])
+        self._next_work_size = state["next_work_size"]
+        same_incarnation = int(state["incarnation"]) == self.incarnation
+        if same_incarnation:
+            self._sent = {int(p): (None if d is None else {n: t.to(self.device).float().clone()
+                                                           for n, t in d.items()})
+                          for p, d in state["sent"].items()}
+            self._sent_counts = {int(p): [int(a), int(b)] for p, (a, b) in state["sent_counts"].items()}
+            self._due = [Contribution(job=d["job"], learner=d["learner"], incarnation=d["incarnation"],
+                                      fragment=d["fragment"], base_version=d["base_version"], tokens=d["tokens"],
+                                      inner_steps=d["inner_steps"], tensors=d["tensors"], checksum=d["checksum"])
+                         for d in state["due"]]
+        else:
+            # A new incarnation: what the old one sent is fenced out by the syncer, so nothing is
+            # outstanding; the progress since the adopted base goes out with the next contribution.
+            self._sent = dict.fromkeys(range(len(self.fragments)))
+            self._sent_counts = {p: [0, 0] for p in range(len(self.fragments))}
+            self._due = []

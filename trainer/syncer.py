@@ -1,0 +1,374 @@
+"""The syncer: global weights per fragment, the merge rule and the outer optimizer.
+
+Merge rule for fragment p (see docs/engine.md for the full text):
+
+1. Validation on `submit`: job, fence (incarnation), fragment range, duplicate key,
+   base version not in the future, staleness bound, tensor names / shapes / dtypes,
+   finite values, checksum. A rejected contribution leaves the state untouched and is
+   counted in `rejections` by reason.
+2. Quorum: p is merged once K contributions are pending, or at once when every expected
+   learner has one pending.
+3. Grace window: after the K-th arrival the syncer waits
+       g = clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, grace_cap_s)
+   where xi_step, xi_quorum, xi_sync are moving averages of the inner-step time (from the
+   spacing of each learner's arrivals, or `observe`), the time from a round's first arrival
+   to its quorum, and the transfer + merge time. It only waits within the slack the overlap
+   of tau inner steps leaves, so learners never stall. `due(now)` lists fragments whose
+   deadline has passed; arrivals after the merge wait for the next round.
+4. Weights: w_m = tokens_m * (tokens_m / inner_steps_m) * 1 / (1 + d * s_m), where s_m is the
+   staleness (current version - base version) and d = `staleness_discount`. Contributions with
+   s_m > max_staleness are dropped, at submit and again at merge time.
+5. Merged pseudo-gradient: sum_m w_m Delta_m / sum_m w_m; with `rda`, for non-embedding
+   tensors, direction and magnitude are averaged apart:
+       Delta = normalize(sum_m w_m Delta_m / ||Delta_m||) * sum_m w_m ||Delta_m|| / sum_m w_m.
+6. Outer step: Nesterov SGD exactly as torch.optim.SGD(momentum=mu, nesterov=True,
+   dampening=0): b <- mu b + Delta (b = Delta at the first step); theta <- theta - lr (Delta + mu b).
+   With mu = 0: theta <- theta - lr Delta.
+
+Idempotency: every applied key (learner, incarnation, fragment, base_version) is remembered
+(keys that the staleness bound would refuse anyway are pruned), and `state_dict()` carries
+them, so a syncer restored from a checkpoint never applies a contribution twice. Fencing: a
+contribution from an incarnation older than the newest seen (or fenced) for its learner is
+refused, and `fence()` drops pending ones from older incarnations.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainer.clock import Clock
+from trainer.compression import tensor_checksum
+from trainer.config import TrainConfig
+from trainer.fragments import make_fragments
+from trainer.protocol import Contribution, GlobalFragment
+
+STATE_VERSION = 1
+EMBEDDING_HINTS = ("wte", "wpe", "embed", "emb.", "tok_emb", "pos_emb")
+
+
+@dataclass
+class SubmitResult:
+    accepted: bool
+    reason: str
+
+
+@dataclass
+class MergeResult:
+    fragment: int
+    version: int
+    global_fragment: GlobalFragment
+    contributors: list[dict]
+    merged_norm: float
+    duration_s: float
+
+
+@dataclass
+class _Pending:
+    contribution: Contribution
+    arrived: float
+
+
+@dataclass
+class _Round:
+    first_arrival: float | None = None
+    quorum_at: float | None = None
+    deadline: float | None = None
+    pending: dict[tuple, _Pending] = field(default_factory=dict)
+
+
+def is_embedding(name: str) -> bool:
+    return any(h in name for h in EMBEDDING_HINTS)
+
+
+class _Ema:
+    def __init__(self, beta: float, value: float | None = None) -> None:
+        self.beta = beta
+        self.value = value
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else self.beta * self.value + (1 - self.beta) * x
+
+    def get(self, default: float = 0.0) -> float:
+        return default if self.value is None else self.value
+
+
+class Syncer:
+    def __init__(self, config: TrainConfig, initial: dict[str, torch.Tensor] | nn.Module, clock: Clock,
+                 job: str = "local") -> None:
+        self.config = config
+        self.clock = clock
+        self.job = job
+        named = dict(initial.named_parameters()) if isinstance(initial, nn.Module) else dict(initial)
+        self.fragments = make_fragments(named, config.fragments, config.fragment_mode)
+        self.fragment_of = {n: p for p, names in enumerate(self.fragments) for n in names}
+        self.params: dict[str, torch.Tensor] = {n: t.detach().float().cpu().clone() for n, t in named.items()}
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.versions: dict[int, int] = dict.fromkeys(range(len(self.fragments)), 0)
+        self.applied: set[tuple] = set()
+        self.incarnations: dict[int, int] = {}
+        self.expected_learners = config.learners
+        self.rejections: dict[str, int] = {}
+        self.merges = 0
+        self._rounds: dict[int, _Round] = {p: _Round() for p in range(len(self.fragments))}
+        self._last_arrival: dict[tuple[int, int], float] = {}
+        self.xi_step = _Ema(config.ema_beta)
+        self.xi_quorum = _Ema(config.ema_beta)
+        self.xi_sync = _Ema(config.ema_beta)
+
+    # -- intake -----------------------------------------------------------------------------
+    def _reject(self, reason: str) -> SubmitResult:
+        kind = reason.split(":", 1)[0]
+        self.rejections[kind] = self.rejections.get(kind, 0) + 1
+        return SubmitResult(False, reason)
+
+    def submit(self, c: Contribution, now: float | None = None) -> SubmitResult:
+        now = self.clock.now() if now is None else now
+        if c.job != self.job:
+            return self._reject(f"wrong_job: {c.job!r} is not {self.job!r}")
+        if c.incarnation < self.incarnations.get(c.learner, 0):
+            return self._reject(f"fenced: incarnation {c.incarnation} of learner {c.learner} is superseded")
+        if not 0 <= c.fragment < len(self.fragments):
+            return self._reject(f"bad_fragment: {c.fragment}")
+        if c.key in self.applied:
+            return self._reject("duplicate: already applied")
+        rnd = self._rounds[c.fragment]
+        if c.key in rnd.pending:
+            return self._reject("duplicate: already pending")
+        version = self.versions[c.fragment]
+        if c.base_version > version:
+            return self._reject(f"future: base version {c.base_version} > {version}")
+        if version - c.base_version > self.config.max_staleness:
+            return self._reject(f"stale: {version - c.base_version} versions behind "
+                                f"(max {self.config.max_staleness})")
+        if c.tokens < 1 or c.inner_steps < 1:
+            return self._reject("invalid: tokens and inner_steps must be >= 1")
+        names = self.fragments[c.fragment]
+        if set(c.tensors) != set(names):
+            return self._reject("invalid: tensor names do not match the fragment")
+        for n in names:
+            t = c.tensors[n]
+            if t.shape != self.params[n].shape:
+                want = tuple(self.params[n].shape)
+                return self._reject(f"invalid: {n} has shape {tuple(t.shape)}, expected {want}")
+            if t.dtype != torch.float32:
+                return self._reject(f"invalid: {n} has dtype {t.dtype}, expected float32")
+            if not bool(torch.isfinite(t).all()):
+                return self._reject(f"nonfinite: {n} holds NaN or Inf")
+        if tensor_checksum(c.tensors) != c.checksum:
+            return self._reject("checksum: payload does not match its checksum")
+        # accepted
+        if c.incarnation > self.incarnations.get(c.learner, 0):
+            self.fence(c.learner, c.incarnation)
+        self.incarnations[c.learner] = c.incarnation
+        last = self._last_arrival.get((c.learner, c.fragment))
+        if last is not None and now > last:
+            self.xi_step.update((now - last) / c.inner_steps)
+        self._last_arrival[(c.learner, c.fragment)] = now
+        if rnd.first_arrival is None:
+            rnd.first_arrival = now
+        rnd.pending[c.key] = _Pending(c, now)
+        if rnd.quorum_at is None and len(rnd.pending) >= self.config.quorum:
+            rnd.quorum_at = now
+            self.xi_quorum.update(now - rnd.first_arrival)
+            rnd.deadline = now + self.grace_window()
+        return SubmitResult(True, "accepted")
+
+    def fence(self, learner: int, incarnation: int) -> None:
+        """Refuse contributions of `learner` from incarnations older than `incarnation`."""
+        if incarnation > self.incarnations.get(learner, 0):
+            self.incarnations[learner] = incarnation
+        for rnd in self._rounds.values():
+            for key in [k for k, v in rnd.pending.items()
+                        if v.contribution.learner == learner and v.contribution.incarnation < incarnation]:
+                del rnd.pending[key]
+                self.rejections["fenced"] = self.rejections.get("fenced", 0) + 1
+            self._recheck_quorum(rnd)
+
+    def _recheck_quorum(self, rnd: _Round) -> None:
+        if not rnd.pending:
+            rnd.first_arrival = rnd.quorum_at = rnd.deadline = None
+        elif len(rnd.pending) < self.config.quorum:
+            rnd.quorum_at = rnd.deadline = None
+
+    def observe(self, step_time: float | None = None, transfer_time: float | None = None) -> None:
+        """Timing measured elsewhere (the runtime): inner-step time, transfer time."""
+        if step_time is not None and step_time >= 0:
+            self.xi_step.update(step_time)
+        if transfer_time is not None and transfer_time >= 0:
+            self.xi_sync.update(transfer_time)
+
+    # -- merge rule -------------------------------------------------------------------------
+    def grace_window(self) -> float:
+        c = self.config
+        slack = c.tau * self.xi_step.get() - self.xi_quorum.get() - self.xi_sync.get()
+        return min(max(c.grace_gamma * slack, 0.0), c.grace_cap_s)
+
+    def pending_count(self, fragment: int) -> int:
+        return len(self._rounds[fragment].pending)
+
+    def deadline(self, fragment: int) -> float | None:
+        return self._rounds[fragment].deadline
+
+    def due(self, now: float | None = None) -> list[int]:
+        now = self.clock.now() if now is None else now
+        out = []
+        for p, rnd in self._rounds.items():
+            if rnd.quorum_at is None:
+                continue
+            learners = {k[0] for k in rnd.pending}
+            if len(learners) >= self.expected_learners or (rnd.deadline is not None and now >= rnd.deadline):
+                out.append(p)
+        return out
+
+    def weight(self, c: Contribution, version: int) -> float:
+        staleness = version - c.base_version
+        return c.tokens * (c.tokens / c.inner_steps) / (1.0 + self.config.staleness_discount * staleness)
+
+    @torch.no_grad()
+    def merge(self, fragment: int, force: bool = False) -> MergeResult:
+        """Merge the pending contributions of `fragment` (quorum needed unless `force`)."""
+        t0 = time.perf_counter()
+        rnd = self._rounds[fragment]
+        version = self.versions[fragment]
+        entries = [e for e in rnd.pending.values()
+                   if version - e.contribution.base_version <= self.config.max_staleness]
+        dropped = len(rnd.pending) - len(entries)
+        if dropped:
+            self.rejections["stale"] = self.rejections.get("stale", 0) + dropped
+        if not entries:
+            raise ValueError(f"fragment {fragment}: nothing to merge")
+        if not force and len(entries) < self.config.quorum:
+            raise ValueError(f"fragment {fragment}: {len(entries)} contributions, quorum is {self.config.quorum}")
+        entries.sort(key=lambda e: e.contribution.key)
+        weights = [self.weight(e.contribution, version) for e in entries]
+        total = sum(weights)
+        norm_w = [w / total for w in weights]
+        names = self.fragments[fragment]
+        deltas = [[e.contribution.tensors[n] for n in names] for e in entries]
+        merged = self._combine(names, deltas, norm_w)
+        self._outer_step(names, merged)
+        merged_norm = math.sqrt(sum(float(m.pow(2).sum()) for m in merged))
+        new_version = version + 1
+        self.versions[fragment] = new_version
+        contributors = []
+        for e, w in zip(entries, norm_w, strict=True):
+            c = e.contribution
+            self.applied.add(c.key)
+            contributors.append({"learner": c.learner, "incarnation": c.incarnation, "base_version": c.base_version,
+                                 "staleness": version - c.base_version, "tokens": c.tokens,
+                                 "inner_steps": c.inner_steps, "weight": w})
+        self._prune(fragment)
+        rnd.pending.clear()
+        rnd.first_arrival = rnd.quorum_at = rnd.deadline = None
+        duration = time.perf_counter() - t0
+        self.xi_sync.update(duration)
+        self.merges += 1
+        return MergeResult(fragment=fragment, version=new_version, global_fragment=self.global_fragment(fragment),
+                           contributors=contributors, merged_norm=merged_norm, duration_s=duration)
+
+    def _combine(self, names: list[str], deltas: list[list[torch.Tensor]], w: list[float]) -> list[torch.Tensor]:
+        if self.config.rda:
+            out = []
+            for i, n in enumerate(names):
+                if is_embedding(n):
+                    acc = deltas[0][i] * w[0]
+                    for m in range(1, len(deltas)):
+                        acc.add_(deltas[m][i], alpha=w[m])
+                    out.append(acc)
+                    continue
+                norms = [float(d[i].norm()) for d in deltas]
+                direction = torch.zeros_like(deltas[0][i])
+                magnitude = 0.0
+                for m, d in enumerate(deltas):
+                    if norms[m] > 0:
+                        direction.add_(d[i], alpha=w[m] / norms[m])
+                        magnitude += w[m] * norms[m]
+                dn = float(direction.norm())
+                out.append(direction.mul_(magnitude / dn) if dn > 0 else direction)
+            return out
+        acc = torch._foreach_mul(deltas[0], w[0])
+        for m in range(1, len(deltas)):
+            torch._foreach_add_(acc, deltas[m], alpha=w[m])
+        return acc
+
+    def _outer_step(self, names: list[str], grads: list[torch.Tensor]) -> None:
+        lr, mu = self.config.outer_lr, self.config.outer_momentum
+        params = [self.params[n] for n in names]
+        if mu == 0:
+            torch._foreach_add_(params, grads, alpha=-lr)
+            return
+        missing = [n for n in names if n not in self.momentum]
+        for n, g in zip(names, grads, strict=True):
+            if n in missing:
+                self.momentum[n] = g.clone()
+        bufs = [self.momentum[n] for n in names]
+        present = [i for i, n in enumerate(names) if n not in missing]
+        if present:
+            torch._foreach_mul_([bufs[i] for i in present], mu)
+            torch._foreach_add_([bufs[i] for i in present], [grads[i] for i in present])
+        step = torch._foreach_add(grads, bufs, alpha=mu)  # same op order as torch.optim.SGD
+        torch._foreach_add_(params, step, alpha=-lr)
+
+    def _prune(self, fragment: int) -> None:
+        floor = self.versions[fragment] - self.config.max_staleness
+        self.applied = {k for k in self.applied if k[2] != fragment or k[3] >= floor}
+
+    # -- views ------------------------------------------------------------------------------
+    def global_fragment(self, p: int) -> GlobalFragment:
+        return GlobalFragment(job=self.job, fragment=p, version=self.versions[p],
+                              tensors={n: self.params[n].clone() for n in self.fragments[p]})
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.params.items()}
+
+    def expected_shapes(self, p: int) -> dict[str, tuple]:
+        return {n: tuple(self.params[n].shape) for n in self.fragments[p]}
+
+    def set_expected_learners(self, n: int) -> None:
+        """How many learners are live (a round with all of them pending merges at once)."""
+        self.expected_learners = max(1, int(n))
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "job": self.job,
+            "params": {n: t.clone() for n, t in self.params.items()},
+            "momentum": {n: t.clone() for n, t in self.momentum.items()},
+            "versions": dict(self.versions),
+            "applied": sorted(self.applied),
+            "incarnations": dict(self.incarnations),
+            "rejections": dict(self.rejections),
+            "merges": self.merges,
+            "ema": [self.xi_step.value, self.xi_quorum.value, self.xi_sync.value],
+            "expected_learners": self.expected_learners,
+            "pending": [dict(e.contribution.header(), tensors=e.contribution.tensors,
+                             checksum=e.contribution.checksum, arrived=e.arrived)
+                        for rnd in self._rounds.values() for e in rnd.pending.values()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"syncer state version {state.get('version')!r} is not {STATE_VERSION}")
+        if set(state["params"]) != set(self.params):
+            raise ValueError("syncer state holds different parameters")
+        self.params = {n: t.float().clone() for n, t in state["params"].items()}
+        self.momentum = {n: t.float().clone() for n, t in state["momentum"].items()}
+        self.versions = {int(p): int(v) for p, v in state["versions"].items()}
+        self.applied = {tuple(int(x) for x in k) for k in state["applied"]}
+        self.incarnations = {int(k): int(v) for k, v in state["incarnations"].items()}
+        self.rejections = dict(state["rejections"])
+        self.merges = int(state["merges"])
+        self.xi_step.value, self.xi_quorum.value, self.xi_sync.value = state["ema"]
+        self.expected_learners = int(state["expected_learners"])
+        self._rounds = {p: _Round() for p in range(len(self.fragments))}
+        self._last_arrival = {}
+        for d in state["pending"]:
+            c = Contribution(job=d["job"], learner=d["learner"], incarnation=d["incarnation"], fragment=d["fragment"],
+                             base_version=d["base_version"], tokens=d["tokens"], inner_steps=d["inner_steps"],
+                             tensors=d["tensors"], checksum=d["checksum"])
+            self.submit(c, now=d["arrived"])
