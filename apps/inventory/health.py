@@ -16,6 +16,14 @@ def _database() -> str:
 
 def _broker() -> str:
     if not settings.REDIS_URL:
+        import os
+        from pathlib import Path
+
+        opts = getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", {}) or {}
+        for key in ("data_folder_in", "data_folder_out"):
+            folder = Path(opts.get(key, "."))
+            if not folder.is_dir() or not os.access(folder, os.W_OK):
+                raise RuntimeError(f"broker folder {folder} is missing or not writable")
         return "ok (filesystem)"
     import redis
 
