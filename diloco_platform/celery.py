@@ -13,6 +13,13 @@ app.conf.task_routes = {
     "apps.coordinator.tasks.*": {"queue": "coordinator"},
 }
 app.autodiscover_tasks()
+# The runtime's periodic ticks (apps.coordinator): missed heartbeats -> recovery within seconds.
+app.conf.beat_schedule = {
+    "coordinator-watchdog": {"task": "apps.coordinator.tasks.watchdog", "schedule": 1.0,
+                             "options": {"expires": 5}},
+    "coordinator-rebalance": {"task": "apps.coordinator.tasks.rebalance", "schedule": 5.0,
+                              "options": {"expires": 10}},
+}
 
 
 def pool_queue(slug: str) -> str:

@@ -1,0 +1,93 @@
+"""Shared helpers of the coordinator: blob store, settings, engine objects, events."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+
+from django.conf import settings
+from django.utils import timezone
+
+log = logging.getLogger("apps.coordinator")
+
+_local = threading.local()
+
+
+def store():
+    """The blob store of settings.BLOB_STORE_URL (one per thread: clients are not all thread-safe)."""
+    url = settings.BLOB_STORE_URL
+    cached = getattr(_local, "store", None)
+    if cached is None or cached[0] != url:
+        from trainer.transport import open_store
+
+        _local.store = (url, open_store(url))
+    return _local.store[1]
+
+
+def hb_interval() -> float:
+    return float(settings.HEARTBEAT_INTERVAL_S)
+
+
+def hb_timeout() -> float:
+    return float(settings.HEARTBEAT_TIMEOUT_S)
+
+
+def syncer_timeout() -> float:
+    return float(getattr(settings, "SYNCER_TIMEOUT_S", 0) or max(3.0, 3 * hb_timeout()))
+
+
+def start_timeout() -> float:
+    """How long a dispatched learner may take to show up before it is dispatched again."""
+    return float(getattr(settings, "LEARNER_START_TIMEOUT_S", 0) or max(20.0, 10 * hb_timeout()))
+
+
+def node_timeout() -> float:
+    return max(15.0, 5 * hb_timeout())
+
+
+def job_spec(job):
+    from trainer.spec import JobSpec
+
+    return JobSpec.model_validate(job.spec)
+
+
+def train_config(job):
+    from trainer.config import TrainConfig
+
+    spec = job_spec(job)
+    cache = os.environ.get("DILOCO_DATA_CACHE") or str(settings.VAR_DIR / "data-cache")
+    return TrainConfig.from_spec(spec, cache_dir=cache)
+
+
+@functools.lru_cache(maxsize=4)
+def corpus(source: str, cache_dir: str | None):
+    from trainer.data import Corpus
+
+    return Corpus.load(source, cache_dir=cache_dir)
+
+
+def event(job, kind: str, message: str, payload: dict | None = None, pool=None):
+    from apps.jobs.models import Event
+
+    ev = Event.objects.create(job=job, kind=kind, message=message[:300], payload=payload or {}, pool=pool)
+    publish(job.pk if job is not None else None,
+            {"type": "event", "kind": kind, "message": ev.message, "payload": ev.payload,
+             "time": ev.time.timestamp()})
+    return ev
+
+
+def publish(job_id, msg: dict) -> None:
+    """Best effort: dashboards learn through the channel layer when it spans processes."""
+    if not settings.REDIS_URL or job_id is None:
+        return
+    try:
+        from apps.telemetry.publish import publish_job
+
+        publish_job(job_id, msg)
+    except Exception:
+        log.debug("publish failed", exc_info=True)
+
+
+def now():
+    return timezone.now()

@@ -1,0 +1,298 @@
+"""Reconciliation, watchdog and rebalancer: drive the DB state towards what each job needs.
+
+All of it is idempotent and safe to run concurrently (row locks where it matters); beat
+runs the watchdog every second and the rebalancer every few seconds, and apps.jobs.services
+kicks reconcile_job on every user action. Recovery never waits for broker redelivery.
+"""
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+from django.db import transaction
+from django.db.models import Q
+
+from apps.inventory.models import Pool
+from apps.jobs import state as st
+from apps.jobs.models import Event, Incident, Job, Learner
+
+from .common import event, hb_timeout, job_spec, log, now, start_timeout, syncer_timeout
+from .dispatch import BUSY, choose_pool, dispatch, free_slots, mark_node_lost, place_job
+from .models import LearnerRuntime, SyncerLease
+
+ACTIVE = (st.RUNNING, st.PAUSING)
+
+
+def reconcile(job_id: int) -> str:
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None:
+        return "no such job"
+    if job.status == st.QUEUED:
+        return start_job(job)
+    if job.status == st.PLACING:
+        return resume_placing(job)
+    if job.status == st.RUNNING:
+        dispatch_pending(job)
+        ensure_syncer(job)
+        return "running"
+    if job.status == st.PAUSING:
+        return settle_pause(job)
+    if job.status in st.TERMINAL:
+        return settle_terminal(job)
+    return job.status
+
+
+def start_job(job: Job) -> str:
+    from trainer.placement import PlacementError
+
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.status != st.QUEUED:
+            return f"already {locked.status}"
+        locked.transition(st.PLACING, "placing learners")
+    try:
+        place_job(job)
+    except PlacementError as exc:
+        job.refresh_from_db()
+        job.transition(st.QUEUED, f"waiting for capacity: {exc}")
+        event(job, Event.Kind.INFO, f"placement failed: {exc}"[:300], {"reason": str(exc)})
+        return "waiting for capacity"
+    job.refresh_from_db()
+    job.transition(st.RUNNING, "learners placed")
+    ensure_syncer(job)
+    dispatch_pending(job)
+    return "started"
+
+
+def resume_placing(job: Job) -> str:
+    """PLACING after a pause: learners that stopped go back to pending, then run."""
+    if not job.learners.exists():
+        with transaction.atomic():
+            Job.objects.filter(pk=job.pk, status=st.PLACING).update(status=st.QUEUED)
+        job.refresh_from_db()
+        return start_job(job)
+    job.learners.filter(state__in=(Learner.State.STOPPED, Learner.State.LOST)) \
+        .update(state=Learner.State.PENDING)
+    with contextlib.suppress(st.IllegalTransition):
+        job.transition(st.RUNNING, "resumed")
+    ensure_syncer(job)
+    dispatch_pending(job)
+    return "resumed"
+
+
+def dispatch_pending(job: Job) -> int:
+    n = 0
+    for learner in job.learners.select_related("pool", "runtime", "job").filter(state=Learner.State.PENDING):
+        rt = getattr(learner, "runtime", None)
+        target = rt.move_to if rt is not None and rt.move_to_id else None
+        if target is not None and free_slots(exclude_learner=learner).get(target.slug, 0) <= 0:
+            target = None
+        if target is None:
+            off = learner.pool_id and learner.pool.state != Pool.State.ACTIVE
+            avoid = {learner.pool.slug} if off else set()
+            target = choose_pool(learner, avoid)
+        if target is None:
+            log.info("job %s learner %s: no free slot anywhere, waiting", job.pk, learner.index)
+            continue
+        moved = learner.pool_id and learner.pool_id != target.pk
+        before = learner.pool.slug if learner.pool_id else None
+        dispatch(learner, target, "(pending)")
+        if moved:
+            event(job, Event.Kind.REASSIGNED, f"learner {learner.index} {before} → {target.slug}",
+                  {"learner": learner.index, "from": before, "to": target.slug,
+                   "incarnation": learner.incarnation,
+                   "reason": (rt.move_reason if rt is not None and rt.move_reason else "")}, pool=target)
+        n += 1
+    return n
+
+
+def ensure_syncer(job: Job) -> None:
+    """Start the job's syncer if none holds a fresh lease (restart after a coordinator death)."""
+    from .tasks import run_syncer
+
+    with transaction.atomic():
+        lease, created = SyncerLease.objects.select_for_update().get_or_create(job=job)
+        if lease.finished:
+            return
+        fresh = lease.last_heartbeat and lease.last_heartbeat >= now() - timedelta(seconds=syncer_timeout())
+        # a syncer sent but not yet started gets the start timeout
+        starting = lease.started_at is None and lease.last_heartbeat is None and not created and \
+            lease.epoch > 0 and job.updated_at >= now() - timedelta(seconds=start_timeout())
+        if fresh or starting:
+            return
+        lost = lease.epoch > 0 and lease.last_heartbeat is not None
+        lease.epoch += 1
+        epoch = lease.epoch
+        if lost:
+            lease.restarts += 1
+            Incident.objects.create(job=job, kind="syncer_lost", failed_at=lease.last_heartbeat,
+                                    description=f"syncer epoch {epoch - 1} missed its heartbeats",
+                                    details={"epoch": epoch - 1, "worker": lease.worker,
+                                             "commits": lease.commits})
+        lease.last_heartbeat = now() if lost else None
+        lease.started_at = None
+        lease.save()
+        transaction.on_commit(lambda: run_syncer.delay(job.pk, epoch))
+    if lost:
+        event(job, Event.Kind.FAILED, f"syncer lost; restarting from commit {lease.commits} (epoch {epoch})",
+              {"epoch": epoch, "commits": lease.commits})
+
+
+def settle_pause(job: Job) -> str:
+    job.learners.filter(state__in=(Learner.State.PENDING,)).update(state=Learner.State.STOPPED)
+    if not job.learners.filter(state__in=BUSY).exists():
+        with contextlib.suppress(st.IllegalTransition):
+            job.transition(st.PAUSED, "all learners stopped")
+        return "paused"
+    return "pausing"
+
+
+def settle_terminal(job: Job) -> str:
+    job.learners.filter(state=Learner.State.PENDING).update(state=Learner.State.STOPPED)
+    return job.status
+
+
+# ---------------------------------------------------------------------------------- watchdog
+def watchdog() -> dict:
+    """Missed heartbeats -> lost learner -> incident + new incarnation on a healthy node."""
+    t = now()
+    out = {"lost": 0, "redispatched": 0, "syncers": 0}
+    hb_cut = t - timedelta(seconds=hb_timeout())
+    start_cut = t - timedelta(seconds=start_timeout())
+    dead = Learner.objects.select_related("job", "pool", "runtime").filter(job__status__in=ACTIVE).filter(
+        Q(state=Learner.State.RUNNING, last_heartbeat__lt=hb_cut)
+        | Q(state=Learner.State.RUNNING, last_heartbeat__isnull=True, started_at__lt=start_cut)
+        | Q(state=Learner.State.STARTING, runtime__dispatched_at__lt=start_cut)
+    )
+    for learner in dead:
+        if lose_learner(learner, t):
+            out["lost"] += 1
+    for job in Job.objects.filter(status__in=ACTIVE):
+        if job.status == st.RUNNING:
+            out["redispatched"] += dispatch_pending(job)
+            ensure_syncer(job)
+        else:
+            settle_pause(job)
+    # jobs whose submit kick was lost
+    for job in Job.objects.filter(status=st.QUEUED, updated_at__lt=t - timedelta(seconds=5))[:10]:
+        start_job(job)
+    for job in Job.objects.filter(status=st.PLACING, updated_at__lt=t - timedelta(seconds=10))[:10]:
+        resume_placing(job)
+    return out
+
+
+def lose_learner(learner: Learner, t) -> bool:
+    """Mark `learner` lost (if it still is the incarnation we looked at) and queue its successor."""
+    with transaction.atomic():
+        n = Learner.objects.filter(pk=learner.pk, incarnation=learner.incarnation, state=learner.state) \
+            .update(state=Learner.State.PENDING)
+        if not n:
+            return False
+        rt = LearnerRuntime.objects.filter(learner=learner).first()
+        point = (rt.resume_point or {}) if rt else {}
+        was_running = learner.state == Learner.State.RUNNING
+        lost_tokens = max(0, learner.tokens - int(point.get("tokens", 0))) if was_running else 0
+        failed_at = learner.last_heartbeat or (rt.dispatched_at if rt and rt.dispatched_at else t)
+        Incident.objects.create(
+            job=learner.job, learner=learner, pool=learner.pool, kind="learner_lost", failed_at=failed_at,
+            detected_at=t, tokens_lost=lost_tokens,
+            description=f"learner {learner.index}.{learner.incarnation} on {learner.pool} "
+                        f"{'missed heartbeats' if was_running else 'never started'}",
+            details={"incarnation": learner.incarnation, "worker": rt.worker if rt else "",
+                     "node": learner.node_id, "state": learner.state})
+        if rt:
+            LearnerRuntime.objects.filter(pk=rt.pk).update(tokens_lost=rt.tokens_lost + lost_tokens)
+    mark_node_lost(learner.node_id, f"learner {learner.index} of job {learner.job_id} lost")
+    event(learner.job, Event.Kind.FAILED,
+          f"learner {learner.index}.{learner.incarnation} lost on {learner.pool}",
+          {"learner": learner.index, "incarnation": learner.incarnation,
+           "last_heartbeat": learner.last_heartbeat.isoformat() if learner.last_heartbeat else None},
+          pool=learner.pool)
+    return True
+
+
+# ---------------------------------------------------------------------------------- rebalancer
+def rebalance() -> dict:
+    """Drain, DyLU work sizes from measured throughput, moves to better pools, elastic size."""
+    from trainer.rebalance import LearnerStatus, plan_moves, resize_work
+
+    from .dispatch import model_figures, pool_infos
+
+    out = {"resized": 0, "moves": 0, "drained": 0}
+    for job in Job.objects.filter(status=st.RUNNING):
+        spec = job_spec(job)
+        learners = list(job.learners.select_related("pool", "runtime").filter(state__in=BUSY))
+        # 1. drain: learners on pools that are no longer active move off (checkpoint + hand-off)
+        for lr in learners:
+            if lr.pool and lr.pool.state != Pool.State.ACTIVE and lr.state == Learner.State.RUNNING:
+                rt = getattr(lr, "runtime", None)
+                if rt is not None and rt.move_reason.startswith("drain"):
+                    continue
+                target = choose_pool(lr, avoid={lr.pool.slug})
+                LearnerRuntime.objects.update_or_create(learner=lr, defaults={
+                    "move_to": target, "move_reason": f"drain of {lr.pool.slug} ({lr.pool.state})"})
+                event(job, Event.Kind.DRAINED,
+                      f"learner {lr.index} leaves {lr.pool.slug} ({lr.pool.state})"
+                      + (f" for {target.slug}" if target else ", waiting for a free slot"),
+                      {"learner": lr.index, "from": lr.pool.slug, "to": target.slug if target else None},
+                      pool=lr.pool)
+                out["drained"] += 1
+        # 2. DyLU: work sizes from measured tokens/s so contributions arrive together
+        running = [lr for lr in learners if lr.state == Learner.State.RUNNING and lr.tokens_per_s]
+        if len(running) >= 2:
+            sizes = resize_work({lr.index: lr.tokens_per_s for lr in running}, spec.inner_steps)
+            for lr in running:
+                new = sizes.get(lr.index)
+                if new and lr.work_size and abs(new - lr.work_size) >= max(1, lr.work_size // 10):
+                    Learner.objects.filter(pk=lr.pk).update(work_size=new)
+                    event(job, Event.Kind.REBALANCED,
+                          f"learner {lr.index} work size {lr.work_size} → {new} "
+                          f"({lr.tokens_per_s:.0f} tok/s)",
+                          {"learner": lr.index, "before": lr.work_size, "after": new,
+                           "tokens_per_s": lr.tokens_per_s, "reason": "dynamic local updates"})
+                    out["resized"] += 1
+        # 3. moves to faster / cheaper / greener pools with free slots
+        if running:
+            mem, flops, _ = model_figures(spec)
+            status = [LearnerStatus(index=lr.index, pool=lr.pool.slug, tokens_per_s=lr.tokens_per_s)
+                      for lr in running if lr.pool]
+            try:
+                moves = plan_moves(status, pool_infos(job), spec.objective, model_memory_gib=mem,
+                                   model_flops_per_token=flops, max_moves=1)
+            except Exception:
+                log.debug("plan_moves failed", exc_info=True)
+                moves = []
+            for mv in moves:
+                lr = next((x for x in running if x.index == mv.learner), None)
+                rt = getattr(lr, "runtime", None) if lr else None
+                if lr is None or (rt is not None and rt.move_to_id):
+                    continue
+                target = Pool.objects.filter(slug=mv.to_pool, state=Pool.State.ACTIVE).first()
+                if target is None or free_slots(exclude_learner=lr).get(target.slug, 0) <= 0:
+                    continue
+                reason = getattr(mv, "reason", "") or f"better pool for {spec.objective}"
+                LearnerRuntime.objects.update_or_create(learner=lr, defaults={"move_to": target,
+                                                                             "move_reason": reason})
+                event(job, Event.Kind.REBALANCED, f"learner {lr.index} moves {mv.from_pool} → {mv.to_pool}",
+                      {"learner": lr.index, "from": mv.from_pool, "to": mv.to_pool, "reason": reason,
+                       **{k: v for k, v in vars(mv).items() if isinstance(v, int | float | str)}})
+                out["moves"] += 1
+    return out
+
+
+def elastic(job: Job, spec) -> None:
+    if not spec.max_learners or spec.max_learners <= spec.learners:
+        return
+    current = job.learners.exclude(state=Learner.State.REMOVED).count()
+    if current >= spec.max_learners:
+        return
+    free = free_slots()
+    if sum(free.values()) <= 0:
+        return
+    index = job.learners.count()
+    learner = Learner.objects.create(job=job, index=index, state=Learner.State.PENDING,
+                                     work_size=spec.inner_steps)
+    LearnerRuntime.objects.create(learner=learner)
+    event(job, Event.Kind.JOINED, f"learner {index} joins (elastic, {current + 1}/{spec.max_learners})",
+          {"learner": index, "learners": current + 1, "max": spec.max_learners})
+    dispatch_pending(job)

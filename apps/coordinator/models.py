@@ -1,0 +1,52 @@
+"""Coordinator bookkeeping: the syncer lease of a job and the runtime side of each learner."""
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+
+class SyncerLease(models.Model):
+    """Who runs a job's syncer, its fencing epoch and its last committed state.
+
+    A syncer commits only while its epoch is the lease's epoch (checked in the commit
+    transaction), so a syncer that was given up for dead can never commit again.
+    """
+
+    job = models.OneToOneField("jobs.Job", on_delete=models.CASCADE, related_name="syncer_lease")
+    epoch = models.PositiveIntegerField(default=0)
+    worker = models.CharField(max_length=255, blank=True)
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    commits = models.PositiveIntegerField(default=0, help_text="outer steps committed")
+    state_key = models.CharField(max_length=300, blank=True, help_text="blob key of the last snapshot")
+    head = models.JSONField(default=dict, blank=True, help_text="{fragment: committed version}")
+    restarts = models.PositiveIntegerField(default=0)
+    duplicates_refused = models.PositiveIntegerField(default=0)
+    zombies_refused = models.PositiveIntegerField(default=0)
+    finished = models.BooleanField(default=False)
+
+    def __str__(self) -> str:
+        return f"syncer of job {self.job_id} (epoch {self.epoch})"
+
+
+class LearnerRuntime(models.Model):
+    """Runtime facts of a learner the jobs app does not model: where it runs, where it resumes."""
+
+    learner = models.OneToOneField("jobs.Learner", on_delete=models.CASCADE, related_name="runtime")
+    worker = models.CharField(max_length=255, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    move_to = models.ForeignKey("inventory.Pool", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="+", help_text="set by the rebalancer: hand off to this pool")
+    move_reason = models.CharField(max_length=300, blank=True)
+    resume_incarnation = models.PositiveIntegerField(null=True, blank=True)
+    resume_point = models.JSONField(
+        null=True, blank=True,
+        help_text='where the current incarnation resumed: {"tokens": T, "frag_pos": {fragment: end}}; '
+                  "older incarnations' contributions are accepted only up to frag_pos")
+    tokens_computed = models.BigIntegerField(default=0, help_text="all incarnations together")
+    tokens_lost = models.BigIntegerField(default=0)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"runtime of {self.learner}"

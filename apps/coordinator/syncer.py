@@ -1,0 +1,410 @@
+"""The syncer task body: the engine's Syncer for one job, wired to the blob store and the database.
+
+Commit of an outer step (fragment p, version v), in this order:
+  1. blob  jobs/<job>/global/f<p>/v<v>                 (the new global fragment)
+  2. blob  jobs/<job>/syncer/s<n>                      (snapshot: syncer state + ledger)
+  3. DB    one transaction: lease epoch check, OuterStep row, lease.commits/state_key/head,
+           job counters                                 (the commit point)
+  4. blob  jobs/<job>/head                             (learners adopt only committed versions)
+  5. delete the merged contribution blobs
+A syncer restarted at any point resumes from the snapshot of the last committed row; blobs
+written after it are overwritten or ignored, and the ledger of applied token ranges (per
+learner and fragment) in the snapshot means no contribution is ever applied twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+
+import torch
+from django.db import close_old_connections, transaction
+from django.db.models import F
+
+from apps.jobs import state as st
+from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, MetricPoint, OuterStep
+from trainer.runtime import codec, keys
+
+from .common import corpus, event, hb_interval, log, now, publish, store, train_config
+from .models import LearnerRuntime, SyncerLease
+
+ACTIVE_JOB = (st.RUNNING, st.PAUSING)
+
+
+class LeaseLost(RuntimeError):
+    pass
+
+
+class Ledger:
+    """Token ranges applied per (learner, fragment): the exactly-once record."""
+
+    def __init__(self, data: dict | None = None):
+        self.ranges: dict[tuple[int, int], list[list[int]]] = {}
+        for k, v in (data or {}).items():
+            learner, fragment = (int(x) for x in k.split(":"))
+            self.ranges[(learner, fragment)] = [list(r) for r in v]
+
+    def overlaps(self, learner: int, fragment: int, start: int, end: int) -> bool:
+        if end <= start:
+            return any(s <= start < e for s, e in self.ranges.get((learner, fragment), []))
+        return any(start < e and s < end for s, e in self.ranges.get((learner, fragment), []))
+
+    def add(self, learner: int, fragment: int, start: int, end: int) -> None:
+        rs = self.ranges.setdefault((learner, fragment), [])
+        rs.append([start, end])
+        rs.sort()
+        merged: list[list[int]] = []
+        for s, e in rs:
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        self.ranges[(learner, fragment)] = merged
+
+    def covered(self, learner: int, fragment: int) -> int:
+        return sum(e - s for s, e in self.ranges.get((learner, fragment), []))
+
+    def to_dict(self) -> dict:
+        return {f"{lr}:{fr}": v for (lr, fr), v in self.ranges.items()}
+
+
+class SyncerRun:
+    def __init__(self, job_id: int, epoch: int, worker: str):
+        self.job_id = job_id
+        self.epoch = epoch
+        self.worker = worker
+        self.store = store()
+        self.job = Job.objects.get(pk=job_id)
+        self.config = train_config(self.job)
+        self.spec = self.job.spec
+        self.P = self.config.fragments
+        self.ledger = Ledger()
+        self.commits = 0
+        self.head: dict[int, int] = {}
+        self.seen: set[str] = set()
+        self.pending: dict[str, keys.ContribRef] = {}  # key -> ref, submitted, awaiting merge
+        self.fences: dict[int, tuple[int, dict | None]] = {}
+        self.counters = {"duplicates_refused": 0, "zombies_refused": 0, "rejected": 0, "accepted": 0,
+                         "tokens_contributed": 0, "tokens_rejected": 0, "bytes_in": 0}
+        self.sync_seconds = 0.0
+        self.blob_seconds = 0.0
+        self.eval_model = None
+        self.last_eval_commit = 0
+        self.last_ckpt_commit = 0
+
+    # ------------------------------------------------------------------ setup
+    def build(self) -> None:
+        from trainer.clock import WallClock
+        from trainer.models import build_model
+        from trainer.syncer import Syncer
+
+        torch.set_num_threads(1)
+        model = build_model(self.config.model, seq_len=self.config.seq_len, seed=self.config.seed)
+        self.eval_model = model
+        self.syncer = Syncer(self.config, model, WallClock(), job=str(self.job_id))
+        self.shapes = {k: tuple(v.shape) for k, v in self.syncer.global_state().items()}
+        lease = SyncerLease.objects.get(job_id=self.job_id)
+        if lease.state_key:
+            snap = codec.unpack(self.store.get(lease.state_key))
+            self.syncer.load_state_dict(snap["syncer"])
+            self.ledger = Ledger(snap["ledger"])
+            self.counters.update(snap.get("counters", {}))
+            self.commits = lease.commits
+            self.head = {int(k): int(v) for k, v in lease.head.items()}
+            self.last_eval_commit = snap.get("last_eval_commit", self.commits)
+            self.last_ckpt_commit = snap.get("last_ckpt_commit", self.commits)
+            # make sure learners see the committed head (step 4 may not have happened)
+            self.store.put(keys.head_key(self.job_id), json.dumps(self.head).encode())
+            log.info("syncer of job %s resumed at commit %s (epoch %s)",
+                     self.job_id, self.commits, self.epoch)
+        elif self.job.initial_val_loss is None:
+            loss = self.evaluate()
+            Job.objects.filter(pk=self.job_id).update(initial_val_loss=loss)
+            self._metric("val_loss", loss, 0)
+
+    # ------------------------------------------------------------------ lease
+    def heartbeat(self) -> str:
+        n = SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(
+            last_heartbeat=now(), worker=self.worker)
+        if n == 0:
+            raise LeaseLost(f"syncer epoch {self.epoch} superseded")
+        status = Job.objects.filter(pk=self.job_id).values_list("status", flat=True).first()
+        self.fences = {}
+        for index, inc, point, state in Learner.objects.filter(job_id=self.job_id).values_list(
+                "index", "incarnation", "runtime__resume_point", "state"):
+            self.fences[index] = (inc, point, state)
+        return status
+
+    # ------------------------------------------------------------------ contributions
+    def admit(self, ref: keys.ContribRef) -> str:
+        """'ok' | 'wait' | a refusal reason, from fencing and the ledger."""
+        fence = self.fences.get(ref.learner)
+        if fence is None:
+            return "unknown learner"
+        inc, point, _state = fence
+        if ref.incarnation > inc:
+            return "wait"
+        if ref.incarnation < inc:
+            if point is None:
+                return "wait"  # the new incarnation has not said where it resumes yet
+            limit = int((point.get("frag_pos") or {}).get(str(ref.fragment),
+                        (point.get("frag_pos") or {}).get(ref.fragment, 0)))
+            if ref.end > limit:
+                return "zombie"
+        if self.ledger.overlaps(ref.learner, ref.fragment, ref.start, ref.end):
+            return "duplicate"
+        for other in self.pending.values():
+            if other.learner == ref.learner and other.fragment == ref.fragment and \
+                    ref.start < other.end and other.start < ref.end:
+                return "duplicate"
+        return "ok"
+
+    def scan(self) -> int:
+        from trainer.protocol import Contribution, InvalidPayload
+
+        n = 0
+        for key in sorted(self.store.list(keys.contrib_prefix(self.job_id))):
+            if key in self.seen:
+                continue
+            ref = keys.parse_contrib_key(key)
+            if ref is None:
+                self.seen.add(key)
+                continue
+            verdict = self.admit(ref)
+            if verdict == "wait":
+                continue
+            self.seen.add(key)
+            if verdict != "ok":
+                self._refuse(ref, verdict)
+                continue
+            try:
+                t0 = time.perf_counter()
+                blob = self.store.get(key)
+                self.blob_seconds += time.perf_counter() - t0
+                self.counters["bytes_in"] += len(blob)
+                c = Contribution.from_bytes(blob, expected=self._expected(ref.fragment))
+                if (c.learner, c.incarnation, c.fragment, c.base_version) != \
+                        (ref.learner, ref.incarnation, ref.fragment, ref.base_version):
+                    raise InvalidPayload("payload does not match its key")
+            except Exception as exc:
+                self._refuse(ref, f"invalid: {exc}"[:200])
+                continue
+            res = self.syncer.submit(c)
+            if res.accepted:
+                self.pending[key] = ref
+                self.counters["accepted"] += 1
+                n += 1
+            else:
+                self._refuse(ref, res.reason)
+        return n
+
+    def _expected(self, fragment: int):
+        names = self.syncer.fragments[fragment] if hasattr(self.syncer, "fragments") else None
+        if names is None:
+            return None
+        return {k: self.shapes[k] for k in names}
+
+    def _refuse(self, ref: keys.ContribRef, reason: str) -> None:
+        if reason == "duplicate":
+            self.counters["duplicates_refused"] += 1
+        elif reason == "zombie":
+            self.counters["zombies_refused"] += 1
+        else:
+            self.counters["rejected"] += 1
+            self.counters["tokens_rejected"] += ref.end - ref.start
+            Learner.objects.filter(job_id=self.job_id, index=ref.learner).update(
+                rejected_contributions=F("rejected_contributions") + 1)
+        event(self.job, Event.Kind.REJECTED,
+              f"contribution of learner {ref.learner}.{ref.incarnation} fragment {ref.fragment} "
+              f"v{ref.base_version}: {reason}",
+              {"learner": ref.learner, "incarnation": ref.incarnation, "fragment": ref.fragment,
+               "base_version": ref.base_version, "start": ref.start, "end": ref.end, "reason": reason})
+        with contextlib.suppress(Exception):
+            self.store.delete(ref.key)
+
+    # ------------------------------------------------------------------ merge + commit
+    def merge_due(self, force: bool = False) -> int:
+        frags = self.syncer.due() if not force else sorted({r.fragment for r in self.pending.values()})
+        done = 0
+        for p in frags:
+            t0 = time.perf_counter()
+            result = self.syncer.merge(p)
+            if result is None:
+                continue
+            self.commit(result, time.perf_counter() - t0)
+            done += 1
+        return done
+
+    def commit(self, r, merge_s: float) -> None:
+        t0 = time.perf_counter()
+        p, v = r.fragment, r.version
+        used = []
+        for c in r.contributors:
+            match = [k for k, ref in self.pending.items()
+                     if (ref.fragment, ref.learner, ref.incarnation, ref.base_version)
+                     == (p, c["learner"], c["incarnation"], c["base_version"])]
+            for k in match:
+                used.append(self.pending.pop(k))
+        tokens = 0
+        contributors = []
+        for c in r.contributors:
+            refs = [u for u in used if u.learner == c["learner"] and u.incarnation == c["incarnation"]]
+            rng = [[u.start, u.end] for u in refs]
+            for u in refs:
+                self.ledger.add(u.learner, u.fragment, u.start, u.end)
+                tokens += u.end - u.start
+            contributors.append({**{k: _jsonable(val) for k, val in c.items()}, "ranges": rng})
+        tokens_equiv = tokens // max(1, self.P)
+        self.counters["tokens_contributed"] += tokens_equiv
+        blob = r.global_fragment.to_bytes("none")
+        gkey = keys.global_key(self.job_id, p, v)
+        self.store.put(gkey, blob)
+        self.commits += 1
+        self.head[p] = v
+        snap_key = keys.syncer_state_key(self.job_id, self.commits)
+        self.store.put(snap_key, codec.pack({
+            "syncer": self.syncer.state_dict(), "ledger": self.ledger.to_dict(), "counters": self.counters,
+            "last_eval_commit": self.last_eval_commit, "last_ckpt_commit": self.last_ckpt_commit}))
+        with transaction.atomic():
+            lease = SyncerLease.objects.select_for_update() \
+                .filter(job_id=self.job_id, epoch=self.epoch).first()
+            if lease is None:
+                raise LeaseLost("lease lost before commit")
+            OuterStep.objects.create(job_id=self.job_id, fragment=p, version=v, contributors=contributors,
+                                     merged_norm=float(r.merged_norm), duration_s=merge_s, blob_uri=gkey)
+            old_key = lease.state_key
+            SyncerLease.objects.filter(pk=lease.pk).update(
+                commits=self.commits, state_key=snap_key, head={str(k): x for k, x in self.head.items()},
+                last_heartbeat=now(), duplicates_refused=self.counters["duplicates_refused"],
+                zombies_refused=self.counters["zombies_refused"])
+            Job.objects.filter(pk=self.job_id).update(
+                outer_steps=F("outer_steps") + 1, tokens_contributed=F("tokens_contributed") + tokens_equiv,
+                bytes_sent=F("bytes_sent") + len(blob))
+            for u in used:
+                Learner.objects.filter(job_id=self.job_id, index=u.learner).update(
+                    tokens_contributed=F("tokens_contributed") + (u.end - u.start) // max(1, self.P))
+        head = json.dumps({str(k): x for k, x in self.head.items()}).encode()
+        self.store.put(keys.head_key(self.job_id), head)
+        for u in used:
+            with contextlib.suppress(Exception):
+                self.store.delete(u.key)
+        if old_key and old_key != snap_key:
+            with contextlib.suppress(Exception):
+                self.store.delete(old_key)
+        self.sync_seconds += merge_s + (time.perf_counter() - t0)
+        publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": self.commits})
+        if self.commits - self.last_eval_commit >= int(self.spec.get("eval_interval", 5)):
+            self.last_eval_commit = self.commits
+            self._metric("val_loss", self.evaluate(), self._tokens())
+        if self.commits - self.last_ckpt_commit >= int(self.spec.get("checkpoint_interval", 10)):
+            self.last_ckpt_commit = self.commits
+            self.export(Checkpoint.Kind.PERIODIC)
+
+    def _tokens(self) -> int:
+        return int(self.counters["tokens_contributed"])
+
+    # ------------------------------------------------------------------ eval / export
+    def evaluate(self) -> float:
+        from trainer.data import evaluate
+
+        if hasattr(self, "syncer"):
+            self.eval_model.load_state_dict(self.syncer.global_state(), strict=False)
+        data = corpus(self.config.dataset, self.config.cache_dir)
+        return float(evaluate(self.eval_model, data, self.config.eval_batch_size or self.config.batch_size,
+                              self.config.seq_len, batches=self.config.eval_batches, seed=0))
+
+    def _metric(self, name: str, value: float, step: int) -> None:
+        MetricPoint.objects.create(job_id=self.job_id, name=name, value=value, step=step)
+        publish(self.job_id, {"type": "metrics", "points": [
+            {"learner": None, "name": name, "step": step, "value": value, "time": time.time()}]})
+
+    def export(self, kind: str) -> Checkpoint:
+        from safetensors.torch import save
+
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.syncer.global_state().items()}
+        config = {"model": self.config.model, "seq_len": self.config.seq_len, "seed": self.config.seed,
+                  "spec": self.spec, "job": self.job_id, "outer_steps": self.commits,
+                  "versions": {str(k): v for k, v in self.head.items()}}
+        blob = save(tensors, metadata={"config": json.dumps(config)})
+        key = keys.checkpoint_key(self.job_id, self.commits, kind)
+        self.store.put(key, blob)
+        self.store.put(key.removesuffix(".safetensors") + ".json", json.dumps(config, indent=2).encode())
+        ck = Checkpoint.objects.create(job_id=self.job_id, version=self.commits, kind=kind, blob_uri=key,
+                                       size_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+        event(self.job, Event.Kind.CHECKPOINTED, f"{kind} checkpoint at outer step {self.commits}",
+              {"checkpoint": ck.pk, "key": key, "bytes": len(blob)})
+        return ck
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> str:
+        self.build()
+        next_hb = 0.0
+        status = st.RUNNING
+        while True:
+            t = time.monotonic()
+            if t >= next_hb:
+                status = self.heartbeat()
+                next_hb = t + min(0.5, hb_interval())
+                if status not in ACTIVE_JOB and (status == st.PAUSED or status in st.TERMINAL):
+                    return f"stopped: job {status}"
+            self.scan()
+            self.merge_due()
+            if status == st.RUNNING and self._all_learners_finished():
+                self.scan()
+                if not self._waiting_keys():
+                    self.merge_due(force=True)
+                    self.finish()
+                    return "completed"
+            time.sleep(0.02)
+
+    def _waiting_keys(self) -> bool:
+        return any(k not in self.seen for k in self.store.list(keys.contrib_prefix(self.job_id)))
+
+    def _all_learners_finished(self) -> bool:
+        states = [f[2] for f in self.fences.values()]
+        return bool(states) and all(s in (Learner.State.DONE, Learner.State.REMOVED) for s in states)
+
+    def finish(self) -> None:
+        loss = self.evaluate()
+        self._metric("val_loss", loss, self._tokens())
+        self.export(Checkpoint.Kind.FINAL)
+        computed = sum(LearnerRuntime.objects.filter(learner__job_id=self.job_id)
+                       .values_list("tokens_computed", flat=True))
+        lost = max(0, computed - self._tokens())
+        Job.objects.filter(pk=self.job_id).update(final_val_loss=loss, tokens_computed=computed,
+                                                  tokens_lost=lost)
+        SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(finished=True)
+        job = Job.objects.get(pk=self.job_id)
+        with contextlib.suppress(st.IllegalTransition):
+            job.transition(st.COMPLETED, f"all learners finished; val loss {loss:.4f}")
+        publish(self.job_id, {"type": "job", "status": job.status, "outer_steps": self.commits})
+        Incident.objects.filter(job_id=self.job_id, healed_at__isnull=True, kind="syncer_lost") \
+            .update(healed_at=now())
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, float | int | str | bool) or v is None:
+        return v
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    return str(v)
+
+
+def run_syncer_body(job_id: int, epoch: int, worker: str) -> str:
+    close_old_connections()
+    lease = SyncerLease.objects.filter(job_id=job_id).first()
+    if lease is None or lease.epoch != epoch or lease.finished:
+        return "fenced"
+    SyncerLease.objects.filter(job_id=job_id, epoch=epoch).update(
+        started_at=now(), last_heartbeat=now(), worker=worker)
+    Incident.objects.filter(job_id=job_id, kind="syncer_lost", healed_at__isnull=True).update(healed_at=now())
+    run = SyncerRun(job_id, epoch, worker)
+    try:
+        return run.run()
+    except LeaseLost as exc:
+        return f"fenced: {exc}"

@@ -1,0 +1,58 @@
+"""Celery tasks of the runtime.
+
+  reconcile_job(job_id)                       coordinator queue; called by apps.jobs.services
+  run_learner(job_id, index, incarnation)     pool.<slug> queue; long-running, acks early
+  run_syncer(job_id, epoch)                   coordinator queue; long-running, one per job
+  watchdog()                                  coordinator queue; beat, every second
+  rebalance()                                 coordinator queue; beat, every few seconds
+"""
+from __future__ import annotations
+
+from celery import shared_task
+
+from .common import log
+
+
+@shared_task(name="apps.coordinator.tasks.reconcile_job", ignore_result=True)
+def reconcile_job(job_id: int) -> str:
+    from .control import reconcile
+
+    return reconcile(int(job_id))
+
+
+@shared_task(bind=True, name="apps.coordinator.tasks.run_learner", ignore_result=True, acks_late=False,
+             time_limit=None, soft_time_limit=None, max_retries=0)
+def run_learner(self, job_id: int, index: int, incarnation: int) -> str:
+    from .learner import run_learner_body
+
+    try:
+        return run_learner_body(int(job_id), int(index), int(incarnation), hostname=self.request.hostname)
+    except Exception:
+        log.exception("learner %s.%s of job %s crashed", index, incarnation, job_id)
+        raise
+
+
+@shared_task(bind=True, name="apps.coordinator.tasks.run_syncer", ignore_result=True, acks_late=False,
+             time_limit=None, soft_time_limit=None, max_retries=0)
+def run_syncer(self, job_id: int, epoch: int) -> str:
+    from .syncer import run_syncer_body
+
+    try:
+        return run_syncer_body(int(job_id), int(epoch), self.request.hostname or "")
+    except Exception:
+        log.exception("syncer of job %s (epoch %s) crashed", job_id, epoch)
+        raise
+
+
+@shared_task(name="apps.coordinator.tasks.watchdog", ignore_result=True, expires=5)
+def watchdog() -> dict:
+    from .control import watchdog as tick
+
+    return tick()
+
+
+@shared_task(name="apps.coordinator.tasks.rebalance", ignore_result=True, expires=10)
+def rebalance() -> dict:
+    from .control import rebalance as tick
+
+    return tick()

@@ -1,0 +1,362 @@
+"""A real platform stack as subprocesses, for end-to-end tests (reused by api/cli/browser tests).
+
+    from tests.support.stack import Stack
+
+    @pytest.fixture
+    def stack(transactional_db, tmp_path):          # the processes must see committed rows
+        with Stack(tmp_path, pools={"alpha": 2, "beta": 2}) as s:
+            yield s
+
+    def test_x(stack):
+        stack.web_url                     # http://127.0.0.1:<free port> (daphne, HTTP + websockets)
+        stack.pools["alpha"].token        # raw pool token (telemetry auth)
+        stack.kill_worker("alpha-0")      # SIGKILL the whole worker (main process + pool children)
+        stack.start_worker("alpha")       # a fresh worker node for the pool
+        stack.kill("coordinator"); stack.restart("coordinator")
+        stack.wait_for(lambda: ..., timeout=10, what="...")
+
+Processes (all with the Redis broker from REDIS_URL and the test database of the caller):
+  web           daphne on a free port
+  <pool>-<i>    `celery worker -Q pool.<slug> --concurrency N --prefetch-multiplier 1
+                 --disable-prefetch`, env DILOCO_POOL=<slug>, DILOCO_POOL_TOKEN=<raw token>
+  coordinator   `celery worker -Q coordinator` (threads pool)
+  beat          `celery beat` (watchdog, rebalancer ticks)
+
+Each process runs in its own session (process group), logs to <tmp>/logs/<name>.log, and
+is killed (group SIGKILL after a short SIGTERM grace) when the stack stops. The helper
+creates the pools it is given (and a CPU accelerator type) if they do not exist, and
+flushes its Redis database first (pass flush_redis=False to keep it).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def database_url() -> str:
+    """DATABASE_URL of the database the Django test run is using (the test database)."""
+    from django.db import connection
+
+    sd = connection.settings_dict
+    if "postgresql" not in sd["ENGINE"]:
+        raise RuntimeError("the live stack needs PostgreSQL (set DATABASE_URL)")
+    auth = quote(sd.get("USER") or "postgres")
+    if sd.get("PASSWORD"):
+        auth += ":" + quote(sd["PASSWORD"])
+    host = sd.get("HOST") or "127.0.0.1"
+    port = sd.get("PORT") or 5432
+    return f"postgres://{auth}@{host}:{port}/{sd['NAME']}"
+
+
+@dataclass
+class PoolHandle:
+    slug: str
+    slots: int
+    token: str
+    workers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log: Path
+    popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class Stack:
+    """Start web, pool workers, coordinator and beat as real processes; stop them all on exit."""
+
+    def __init__(
+        self,
+        tmp: Path | str,
+        pools: dict[str, int] | None = None,
+        *,
+        workers_per_pool: int = 1,
+        coordinator: bool = True,
+        beat: bool = True,
+        web: bool = True,
+        heartbeat_interval_s: float = 0.5,
+        heartbeat_timeout_s: float = 1.5,
+        blob_store_url: str | None = None,
+        speed_factors: dict[str, float] | None = None,
+        extra_env: dict[str, str] | None = None,
+        flush_redis: bool = True,
+        start_timeout: float = 60.0,
+    ):
+        self.tmp = Path(tmp)
+        self.logs = self.tmp / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.var = self.tmp / "var"
+        self.var.mkdir(exist_ok=True)
+        self.pool_slots = dict(pools if pools is not None else {"alpha": 2, "beta": 2})
+        self.workers_per_pool = workers_per_pool
+        self.want = {"coordinator": coordinator, "beat": beat, "web": web}
+        self.speed_factors = speed_factors or {}
+        self.redis_url = os.environ.get("REDIS_URL", "")
+        if not self.redis_url:
+            raise StackError("the live stack needs Redis (set REDIS_URL)")
+        self.blob_store_url = blob_store_url or f"file://{self.tmp / 'blobs'}"
+        self.coordinator_token = "ct_" + secrets.token_urlsafe(24)
+        self.port = free_port()
+        self.web_url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}"
+        self.flush_redis = flush_redis
+        self.start_timeout = start_timeout
+        self.procs: dict[str, Proc] = {}
+        self.pools: dict[str, PoolHandle] = {}
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "diloco_platform.settings",
+            "DATABASE_URL": database_url(),
+            "REDIS_URL": self.redis_url,
+            "BLOB_STORE_URL": self.blob_store_url,
+            "DILOCO_VAR_DIR": str(self.var),
+            "DILOCO_WEB_URL": self.web_url,
+            "COORDINATOR_TOKEN": self.coordinator_token,
+            "HEARTBEAT_INTERVAL_S": str(heartbeat_interval_s),
+            "HEARTBEAT_TIMEOUT_S": str(heartbeat_timeout_s),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "DJANGO_ALLOW_ASYNC_UNSAFE": "true",
+            **(extra_env or {}),
+        }
+        self.env.pop("PYTEST_CURRENT_TEST", None)
+        self._worker_seq: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.flush_redis:
+            import redis
+
+            redis.Redis.from_url(self.redis_url).flushdb()
+        self._ensure_pools()
+        names = []
+        if self.want["web"]:
+            names.append(self._spawn("web", [
+                str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
+                "diloco_platform.asgi:application",
+            ], {}))
+        if self.want["coordinator"]:
+            names.append(self._spawn_coordinator())
+        for slug in self.pool_slots:
+            for _ in range(self.workers_per_pool):
+                names.append(self.start_worker(slug, wait=False))
+        if self.want["beat"]:
+            names.append(self._spawn_beat())
+        for name in names:
+            self.wait_ready(name)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.alive():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        for proc in self.procs.values():
+            if proc.popen is None:
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(0.05, deadline - time.monotonic()))
+            # the group may hold pool children even after the main process exited
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=5)
+        from django.db import connections
+
+        connections.close_all()
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> str:
+        log = self.logs / f"{name}.log"
+        proc = Proc(name, cmd, {**self.env, **env}, log)
+        with open(log, "ab") as fh:
+            fh.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
+            proc.popen = subprocess.Popen(
+                cmd, cwd=ROOT, env=proc.env, stdout=fh, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.procs[name] = proc
+        return name
+
+    def _celery(self) -> list[str]:
+        return [str(BIN / "celery"), "-A", "diloco_platform"]
+
+    def _spawn_coordinator(self) -> str:
+        return self._spawn("coordinator", self._celery() + [
+            "worker", "-Q", "coordinator", "-P", "threads", "--concurrency", "8",
+            "--prefetch-multiplier", "1", "-n", f"coordinator-{self.port}@%h",
+            "--without-gossip", "--without-mingle", "-l", "INFO",
+        ], {})
+
+    def _spawn_beat(self) -> str:
+        return self._spawn("beat", self._celery() + [
+            "beat", "-l", "INFO", "-s", str(self.var / "beat-schedule"),
+            "--pidfile", str(self.var / "beat.pid"),
+        ], {})
+
+    def start_worker(self, slug: str, *, slots: int | None = None, wait: bool = True) -> str:
+        """Start one more worker node for pool `slug`; returns its process name (<slug>-<i>)."""
+        i = self._worker_seq.get(slug, 0)
+        self._worker_seq[slug] = i + 1
+        name = f"{slug}-{i}"
+        pool = self.pools[slug]
+        self._spawn(name, self._celery() + [
+            "worker", "-Q", f"pool.{slug}", "--concurrency", str(slots or pool.slots),
+            "--prefetch-multiplier", "1", "--disable-prefetch", "-O", "fair",
+            "-n", f"{name}-{self.port}@%h", "--without-gossip", "--without-mingle", "-l", "INFO",
+        ], {"DILOCO_POOL": slug, "DILOCO_POOL_TOKEN": pool.token})
+        pool.workers.append(name)
+        if wait:
+            self.wait_ready(name)
+        return name
+
+    def worker_hostname(self, name: str) -> str:
+        return f"{name}-{self.port}@{socket.gethostname()}"
+
+    def wait_ready(self, name: str, timeout: float | None = None) -> None:
+        proc = self.procs[name]
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise StackError(f"{name} exited with {proc.popen.returncode}:\n{self.tail(name)}")
+            if name == "web":
+                if self._http_ok("/healthz"):
+                    return
+            else:
+                text = self._log_since_start(proc)
+                marker = "beat: Starting" if name == "beat" else " ready."
+                if marker in text:
+                    return
+            time.sleep(0.2)
+        raise StackError(f"{name} not ready after {timeout or self.start_timeout}s:\n{self.tail(name)}")
+
+    def _log_since_start(self, proc: Proc) -> str:
+        text = proc.log.read_text(errors="replace")
+        return text[text.rfind("=== start "):]
+
+    def _http_ok(self, path: str) -> bool:
+        import http.client
+
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+            conn.request("GET", path)
+            status = conn.getresponse().status
+            conn.close()
+            return status < 500 or status == 503  # 503 = degraded but serving
+        except OSError:
+            return False
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the whole process group of `name` (main process and its pool children)."""
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, sig)
+        if sig == signal.SIGKILL:
+            proc.popen.wait(timeout=10)
+
+    def kill_worker(self, name: str) -> None:
+        self.kill(name, signal.SIGKILL)
+
+    def restart(self, name: str, wait: bool = True) -> None:
+        """Kill (if alive) and start `name` again with the same command line."""
+        proc = self.procs[name]
+        if proc.alive():
+            self.kill(name)
+        self._spawn(name, proc.cmd, proc.env)
+        if wait:
+            self.wait_ready(name)
+
+    def children(self, name: str) -> list[int]:
+        """PIDs of the pool child processes of a worker (where learners run)."""
+        out = subprocess.run(["pgrep", "-P", str(self.procs[name].pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def tail(self, name: str, lines: int = 60) -> str:
+        proc = self.procs.get(name)
+        if not proc or not proc.log.exists():
+            return ""
+        return "\n".join(proc.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def dump_logs(self, lines: int = 40) -> str:
+        return "\n".join(f"----- {n} -----\n{self.tail(n, lines)}" for n in self.procs)
+
+    # ------------------------------------------------------------------ data
+    def _ensure_pools(self) -> None:
+        from apps.inventory.models import AcceleratorType, Pool, PoolToken
+
+        acc = AcceleratorType.objects.filter(kind="cpu").first()
+        if acc is None:
+            acc = AcceleratorType.objects.create(
+                slug="test-cpu", vendor="Generic", model="CPU core", kind="cpu", generation="x86-64",
+                year=2024, memory_gib=8, peak_bf16_tflops=0.5, tdp_watts=15,
+            )
+        for slug, slots in self.pool_slots.items():
+            pool, _ = Pool.objects.get_or_create(
+                slug=slug,
+                defaults={"name": f"Test pool {slug}", "region": "local", "accelerator": acc,
+                          "device_count": slots, "link_gbps": 10.0,
+                          "speed_factor": self.speed_factors.get(slug, 1.0)},
+            )
+            _, raw = PoolToken.issue(pool)
+            self.pools[slug] = PoolHandle(slug, slots, raw)
+
+    # ------------------------------------------------------------------ waiting
+    def wait_for(self, predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition",
+                 interval: float = 0.1):
+        """Poll `predicate` (DB reads are fine) until truthy; returns its value or raises with logs."""
+        from django.db import close_old_connections
+
+        deadline = time.monotonic() + timeout
+        while True:
+            close_old_connections()
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise StackError(f"timed out after {timeout}s waiting for {what}\n{self.dump_logs()}")
+            time.sleep(interval)

@@ -1,0 +1,233 @@
+"""Run an engine `Learner` against a blob store: train, push contributions, adopt global fragments.
+
+The host (the Celery task in apps.coordinator, or a benchmark) supplies liveness and control:
+`host.heartbeat(stats) -> Control` is called every `heartbeat_interval` seconds; it stamps
+liveness where the watchdog looks, and answers with stop / resize / hand-off requests.
+It raises `Fenced` when this incarnation has been superseded (a zombie must stop at once).
+
+Exactly-once accounting: every contribution carries the token-stream range [start, end) of
+its fragment since that fragment's previous contribution. Checkpoints record, per fragment,
+the end of the last contribution queued before them; the writer thread keeps the order
+(contributions first, checkpoint after), so a checkpoint never claims a contribution that is
+not in the store. A new incarnation resumes from the newest checkpoint and reports that
+resume point; the syncer accepts older incarnations' contributions only up to it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from . import codec, keys
+from .writer import OrderedWriter
+
+log = logging.getLogger(__name__)
+
+
+class Fenced(RuntimeError):
+    """This learner incarnation is no longer the current one."""
+
+
+@dataclass
+class Control:
+    stop: bool = False           # stop now (cancel / pause / job over); checkpoint first
+    reason: str = ""
+    handoff: bool = False        # stop because the learner moves elsewhere; checkpoint first
+    work_size: int | None = None  # new inner steps per cycle (rebalancer)
+
+
+class Host(Protocol):
+    def heartbeat(self, stats: dict[str, Any]) -> Control: ...
+    def resumed(self, point: dict[str, Any]) -> None: ...
+    def telemetry(self, msg: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class LoopResult:
+    outcome: str  # done | stopped | handoff | fenced
+    reason: str = ""
+    steps: int = 0
+    tokens: int = 0
+    contributions: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    train_seconds: float = 0.0
+    resume_point: dict = field(default_factory=dict)
+
+
+class LearnerLoop:
+    def __init__(self, learner, store, *, job, index: int, incarnation: int, host: Host,
+                 compression: str = "none", heartbeat_interval: float = 1.0, poll_interval: float = 0.25,
+                 checkpoint_interval: float = 2.0, speed_factor: float = 1.0,
+                 decode_global: Callable[[bytes], Any] | None = None, clock=time.monotonic):
+        self.learner = learner
+        self.store = store
+        self.job = job
+        self.index = index
+        self.incarnation = incarnation
+        self.host = host
+        self.compression = compression
+        self.heartbeat_interval = heartbeat_interval
+        self.poll_interval = poll_interval
+        self.checkpoint_interval = checkpoint_interval
+        self.speed_factor = max(0.01, min(1.0, float(speed_factor)))
+        self.clock = clock
+        if decode_global is None:
+            from trainer.protocol import GlobalFragment
+
+            decode_global = GlobalFragment.from_bytes
+        self.decode_global = decode_global
+        self.writer = OrderedWriter(store)
+        self.frag_pos: dict[int, int] = {}
+        self.head_versions: dict[int, int] = {}
+        self.contributions = 0
+        self.bytes_sent = 0
+        self.last_loss: float | None = None
+        self.staleness = 0
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> dict:
+        """Load the newest checkpoint of an earlier incarnation (if any), adopt the newest globals."""
+        point = {"tokens": 0, "frag_pos": {}, "from_incarnation": None}
+        best = None
+        for key in self.store.list(keys.learner_prefix(self.job, self.index)):
+            inc = keys.parse_learner_ckpt_incarnation(key)
+            if inc is not None and inc < self.incarnation and (best is None or inc > best[0]):
+                best = (inc, key)
+        if best is not None:
+            try:
+                saved = codec.unpack(self.store.get(best[1]))
+                self.learner.load_state_dict(saved["state"])
+                self.frag_pos = {int(k): int(v) for k, v in saved["frag_pos"].items()}
+                point = {"tokens": int(saved["tokens"]), "frag_pos": dict(self.frag_pos),
+                         "from_incarnation": best[0]}
+            except Exception:
+                log.exception("checkpoint %s unreadable; starting from the global weights", best[1])
+                self.frag_pos = {}
+        self.host.resumed(point)
+        self.poll_globals(force=True)
+        return point
+
+    # ------------------------------------------------------------------ globals
+    def poll_globals(self, force: bool = False) -> int:
+        """Adopt committed global fragments newer than what this learner has; returns how many."""
+        try:
+            head = json.loads(self.store.get(keys.head_key(self.job)))
+        except Exception:
+            return 0
+        adopted = 0
+        have = getattr(self.learner, "adopted_versions", {}) or {}
+        for p, v in head.items():
+            p, v = int(p), int(v)
+            self.head_versions[p] = v
+            if v > have.get(p, -1):
+                try:
+                    g = self.decode_global(self.store.get(keys.global_key(self.job, p, v)))
+                except Exception:
+                    log.warning("global fragment %s v%s unreadable", p, v, exc_info=True)
+                    continue
+                self.learner.adopt(g)
+                adopted += 1
+        if self.head_versions:
+            self.staleness = max((self.head_versions.get(p, 0) - have.get(p, 0)) for p in self.head_versions)
+        return adopted
+
+    # ------------------------------------------------------------------ contributions
+    def push_due(self) -> int:
+        due = self.learner.due_contributions()
+        pos = int(self.learner.tokens)
+        for c in due:
+            start = self.frag_pos.get(c.fragment, 0)
+            key = keys.contrib_key(self.job, self.index, self.incarnation, c.fragment, c.base_version,
+                                   start, pos)
+            blob = c.to_bytes(self.compression)
+            self.bytes_sent += len(blob)
+            self.writer.put(key, blob)
+            self.frag_pos[c.fragment] = pos
+            self.contributions += 1
+        return len(due)
+
+    def checkpoint(self) -> None:
+        state = {"state": self.learner.state_dict(), "frag_pos": dict(self.frag_pos),
+                 "tokens": int(self.learner.tokens), "incarnation": self.incarnation}
+        # Snapshot tensors now (the loop keeps training); serialise in the writer thread.
+        blob = codec.pack(state)
+        self.writer.put(keys.learner_ckpt_key(self.job, self.index, self.incarnation), blob)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, max_seconds: float | None = None) -> LoopResult:
+        t_start = self.clock()
+        next_hb = t_start
+        next_poll = t_start + self.poll_interval
+        last_ckpt = t_start
+        steps = 0
+        train_s = 0.0
+        tok_window: list[tuple[float, int]] = [(t_start, int(self.learner.tokens))]
+        result = LoopResult(outcome="done")
+        try:
+            while True:
+                now = self.clock()
+                if now >= next_hb:
+                    tok_window.append((now, int(self.learner.tokens)))
+                    tok_window = tok_window[-8:]
+                    dt = tok_window[-1][0] - tok_window[0][0]
+                    tps = (tok_window[-1][1] - tok_window[0][1]) / dt if dt > 0 else None
+                    ctl = self.host.heartbeat({
+                        "step": int(getattr(self.learner, "inner_steps", steps)),
+                        "tokens": int(self.learner.tokens), "loss": self.last_loss,
+                        "tokens_per_s": tps, "staleness": self.staleness,
+                        "contributions": self.contributions, "bytes_sent": self.bytes_sent,
+                        "writer_pending": self.writer.pending,
+                    })
+                    next_hb = now + self.heartbeat_interval
+                    if ctl.work_size:
+                        self.learner.set_work_size(int(ctl.work_size))
+                    if ctl.stop or ctl.handoff:
+                        self.checkpoint()
+                        result.outcome = "handoff" if ctl.handoff else "stopped"
+                        result.reason = ctl.reason
+                        break
+                if getattr(self.learner, "done", False):
+                    self.push_due()
+                    self.checkpoint()
+                    result.outcome = "done"
+                    break
+                if max_seconds is not None and now - t_start > max_seconds:
+                    result.outcome = "stopped"
+                    result.reason = "time limit"
+                    break
+                t0 = self.clock()
+                res = self.learner.step()
+                dt = self.clock() - t0
+                train_s += dt
+                steps += 1
+                self.last_loss = float(res.loss)
+                if self.speed_factor < 1.0:
+                    time.sleep(dt * (1.0 / self.speed_factor - 1.0))
+                if self.push_due() and self.clock() - last_ckpt >= self.checkpoint_interval:
+                    self.checkpoint()
+                    last_ckpt = self.clock()
+                if self.clock() >= next_poll:
+                    self.poll_globals()
+                    next_poll = self.clock() + self.poll_interval
+        except Fenced as exc:
+            result.outcome = "fenced"
+            result.reason = str(exc)
+            # a zombie writes nothing more: drop whatever is still queued
+            while not self.writer.q.empty():
+                try:
+                    self.writer.q.get_nowait()
+                    self.writer.q.task_done()
+                except Exception:
+                    break
+        self.writer.close(timeout=60)
+        result.steps = steps
+        result.tokens = int(self.learner.tokens)
+        result.contributions = self.contributions
+        result.bytes_sent = self.bytes_sent
+        result.seconds = self.clock() - t_start
+        result.train_seconds = train_s
+        return result
