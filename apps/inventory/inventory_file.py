@@ -317,16 +317,22 @@ class Summary:
 
 
 @transaction.atomic
-def apply(inv: Inventory) -> Summary:
-    """Upsert everything in one transaction (all or nothing)."""
+def apply(inv: Inventory, only_new: bool = False) -> Summary:
+    """Upsert everything in one transaction (all or nothing); `only_new` leaves existing rows alone."""
     s = Summary()
+    existing_accs = set(AcceleratorType.objects.values_list("slug", flat=True))
+    existing_pools = set(Pool.objects.values_list("slug", flat=True))
     for rec in inv.accelerators:
+        if only_new and rec["slug"] in existing_accs:
+            continue
         data = dict(rec)
         _, created = AcceleratorType.objects.update_or_create(slug=data.pop("slug"), defaults=data)
         s.accelerators_created += created
         s.accelerators_updated += not created
     accs = {a.slug: a for a in AcceleratorType.objects.all()}
     for rec in inv.pools:
+        if only_new and rec["slug"] in existing_pools:
+            continue
         data = dict(rec)
         data["accelerator"] = accs[data["accelerator"]]
         data["cost_per_device_hour"] = Decimal(str(data["cost_per_device_hour"])).quantize(Decimal("0.0001"))

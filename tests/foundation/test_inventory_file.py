@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import textwrap
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.core.management import CommandError, call_command
 
 from apps.inventory.inventory_file import InventoryFileError, load
@@ -75,6 +77,22 @@ def test_import_creates_and_updates(tmp_path):
     assert "pools: 0 created, 2 updated" in out
     assert Pool.objects.get(slug="iad-h100").device_count == 16
     assert Pool.objects.count() == 2
+
+
+def test_only_new_leaves_existing_pools_alone(tmp_path):
+    run_import(tmp_path, GOOD)
+    Pool.objects.filter(slug="iad-h100").update(state="draining")
+    out = run_import(tmp_path, GOOD.replace("device_count: 8", "device_count: 16"), "--only-new")
+    assert "pools: 0 created, 0 updated" in out
+    p = Pool.objects.get(slug="iad-h100")
+    assert p.state == "draining" and p.device_count == 8
+
+
+def test_demo_fleet_file_is_valid(tmp_path):
+    out = run_import(tmp_path, (Path(settings.BASE_DIR) / "apps/inventory/demo_fleet.yaml").read_text())
+    assert "pools: 3 created" in out
+    speeds = dict(Pool.objects.values_list("slug", "speed_factor"))
+    assert speeds == {"cpu-new": 1.0, "cpu-mid": 0.6, "cpu-old": 0.35}
 
 
 def test_round_trip(tmp_path):

@@ -1,4 +1,5 @@
 """manage.py export_inventory [-o FILE]: the inventory as YAML that import_inventory reads back."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +14,11 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("-o", "--output", help="write to this file instead of standard output")
-        parser.add_argument("--all-accelerators", action="store_true",
-                            help="include every catalogue entry, not only those the pools use")
+        parser.add_argument(
+            "--all-accelerators",
+            action="store_true",
+            help="include every catalogue entry, not only those the pools use",
+        )
 
     def handle(self, *args, output: str | None, all_accelerators: bool, **opts):
         text = dump(all_accelerators=all_accelerators)

@@ -1,4 +1,5 @@
 """manage.py import_inventory FILE.yaml: upsert accelerator types and pools, all or nothing."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,13 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("file", help="path of the YAML file, or - for standard input")
         parser.add_argument("--dry-run", action="store_true", help="validate only; change nothing")
+        parser.add_argument(
+            "--only-new",
+            action="store_true",
+            help="create what is missing; leave existing pools and accelerators as they are",
+        )
 
-    def handle(self, *args, file: str, dry_run: bool, **opts):
+    def handle(self, *args, file: str, dry_run: bool, only_new: bool, **opts):
         if file == "-":
             import sys
 
@@ -28,10 +34,11 @@ class Command(BaseCommand):
         try:
             inv = load(raw)
         except InventoryFileError as exc:
-            raise CommandError(f"{file}: nothing imported, {len(exc.errors)} problem(s):\n  "
-                               + "\n  ".join(exc.errors)) from None
+            raise CommandError(
+                f"{file}: nothing imported, {len(exc.errors)} problem(s):\n  " + "\n  ".join(exc.errors)
+            ) from None
         if dry_run:
             self.stdout.write(f"{file}: valid ({len(inv.accelerators)} accelerators, {len(inv.pools)} pools)")
             return
-        summary = apply(inv)
+        summary = apply(inv, only_new=only_new)
         self.stdout.write(self.style.SUCCESS(f"{file}: imported; {summary}"))
