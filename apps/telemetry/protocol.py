@@ -1,0 +1,259 @@
+"""Validation of agent -> server websocket messages (see docs/telemetry.md).
+
+Everything a worker or the coordinator sends over `/ws/agent/` goes through `parse_frame`: it
+returns a clean dict (only known fields, right types, finite numbers, sane bounds) or raises
+`ProtocolError` with a reason that names the offending field. The consumer closes the
+connection with code 4400 and that reason; nothing here touches the database.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+MAX_INT64 = 2**63 - 1
+MAX_INT32 = 2**31 - 1
+MAX_POINTS = 2000
+MAX_MESSAGE_CHARS = 300
+MAX_NAME_CHARS = 255
+# Unix seconds between 2001 and 2286: catches milliseconds and garbage.
+MIN_TIME, MAX_TIME = 1e9, 1e10
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+TYPE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+SLUG_RE = re.compile(r"^[-a-zA-Z0-9_]{1,40}$")
+
+# Event.Kind values (kept in sync with apps/jobs/models.py; checked by a test).
+EVENT_KINDS = frozenset(
+    {"status", "placed", "failed", "reassigned", "rebalanced", "joined", "left", "checkpointed",
+     "merged", "rejected", "drained", "info"}
+)
+CONTROL_ACTIONS = frozenset({"resize", "stop", "migrate", "pause"})
+
+
+class ProtocolError(ValueError):
+    """A malformed frame; `reason` is short enough for a websocket close frame (<= 123 bytes)."""
+
+    def __init__(self, reason: str):
+        if len(reason.encode()) > 120:
+            reason = reason.encode()[:117].decode(errors="ignore") + "..."
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError(f"non-finite number {name} is not allowed")
+
+
+def loads(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and ints over Python's digit limit
+        raise ProtocolError(f"invalid JSON: {str(exc)[:80]}") from None
+
+
+# -- field checkers -----------------------------------------------------------------------------
+
+def _int(msg: dict, key: str, *, lo: int = 0, hi: int = MAX_INT64, where: str) -> int:
+    v = msg[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(f"{where}.{key} must be an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ProtocolError(f"{where}.{key} out of range [{lo}, {hi}]")
+    return v
+
+
+def _float(msg: dict, key: str, *, lo: float = -1e30, hi: float = 1e30, where: str) -> float:
+    v = msg[key]
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ProtocolError(f"{where}.{key} must be a number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ProtocolError(f"{where}.{key} must be finite")
+    if not lo <= v <= hi:
+        raise ProtocolError(f"{where}.{key} out of range [{lo:g}, {hi:g}]")
+    return v
+
+
+def _str(msg: dict, key: str, *, max_len: int, where: str, pattern: re.Pattern | None = None) -> str:
+    v = msg[key]
+    if not isinstance(v, str):
+        raise ProtocolError(f"{where}.{key} must be a string, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise ProtocolError(f"{where}.{key} longer than {max_len} characters")
+    if "\x00" in v:
+        raise ProtocolError(f"{where}.{key} contains a NUL character")
+    if pattern is not None and not pattern.match(v):
+        raise ProtocolError(f"{where}.{key} has an invalid format")
+    return v
+
+
+def _check_keys(msg: dict, required: set[str], optional: set[str], where: str) -> None:
+    missing = required - msg.keys()
+    if missing:
+        raise ProtocolError(f"{where}: missing field(s) {', '.join(sorted(missing))}")
+    unknown = msg.keys() - required - optional
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))[:60]}")
+
+
+def _opt(msg: dict, key: str, fn, **kw) -> Any:
+    return None if msg.get(key) is None else fn(msg, key, **kw)
+
+
+def _time(msg: dict, where: str) -> float | None:
+    return _opt(msg, "time", _float, lo=MIN_TIME, hi=MAX_TIME, where=where)
+
+
+# -- message types ------------------------------------------------------------------------------
+
+def _hello(msg: dict) -> dict:
+    w = "hello"
+    _check_keys(msg, {"type"}, {"worker", "pool", "version"}, w)
+    return {
+        "type": "hello",
+        "worker": _opt(msg, "worker", _str, max_len=MAX_NAME_CHARS, where=w),
+        "pool": _opt(msg, "pool", _str, max_len=40, where=w, pattern=SLUG_RE),
+        "version": _opt(msg, "version", _str, max_len=40, where=w),
+    }
+
+
+def _heartbeat(msg: dict) -> dict:
+    w = "heartbeat"
+    _check_keys(
+        msg,
+        {"type", "job", "learner", "incarnation", "step", "tokens"},
+        {"loss", "tokens_per_s", "util", "power_w", "staleness", "time"},
+        w,
+    )
+    return {
+        "type": "heartbeat",
+        "job": _int(msg, "job", lo=1, where=w),
+        "learner": _int(msg, "learner", hi=MAX_INT32, where=w),
+        "incarnation": _int(msg, "incarnation", hi=MAX_INT32, where=w),
+        "step": _int(msg, "step", hi=MAX_INT32, where=w),
+        "tokens": _int(msg, "tokens", where=w),
+        "loss": _opt(msg, "loss", _float, where=w),
+        "tokens_per_s": _opt(msg, "tokens_per_s", _float, lo=0, hi=1e15, where=w),
+        "util": _opt(msg, "util", _float, lo=0, hi=100, where=w),
+        "power_w": _opt(msg, "power_w", _float, lo=0, hi=1e7, where=w),
+        "staleness": _opt(msg, "staleness", _int, hi=MAX_INT32, where=w) or 0,
+        "time": _time(msg, w),
+    }
+
+
+def _point(p: Any, i: int) -> dict:
+    w = f"metrics.points[{i}]"
+    if not isinstance(p, dict):
+        raise ProtocolError(f"{w} must be an object")
+    _check_keys(p, {"name", "value"}, {"learner", "step", "time"}, w)
+    return {
+        "learner": _opt(p, "learner", _int, hi=MAX_INT32, where=w),
+        "name": _str(p, "name", max_len=40, where=w, pattern=NAME_RE),
+        "step": _opt(p, "step", _int, where=w) or 0,
+        "value": _float(p, "value", where=w),
+        "time": _time(p, w),
+    }
+
+
+def _metrics(msg: dict) -> dict:
+    w = "metrics"
+    _check_keys(msg, {"type", "job", "points"}, set(), w)
+    points = msg["points"]
+    if not isinstance(points, list):
+        raise ProtocolError("metrics.points must be a list")
+    if len(points) > MAX_POINTS:
+        raise ProtocolError(f"metrics.points: at most {MAX_POINTS} points per message")
+    return {
+        "type": "metrics",
+        "job": _int(msg, "job", lo=1, where=w),
+        "points": [_point(p, i) for i, p in enumerate(points)],
+    }
+
+
+def _event(msg: dict) -> dict:
+    w = "event"
+    _check_keys(msg, {"type", "job", "kind"}, {"message", "payload", "learner", "time", "pool"}, w)
+    kind = _str(msg, "kind", max_len=16, where=w)
+    if kind not in EVENT_KINDS:
+        raise ProtocolError(f"event.kind {kind!r} unknown; one of {', '.join(sorted(EVENT_KINDS))}")
+    payload = msg.get("payload")
+    if payload is None:
+        payload = {}
+    elif not isinstance(payload, dict):
+        raise ProtocolError("event.payload must be an object")
+    return {
+        "type": "event",
+        # job may be null for fleet-level events (coordinator token only; checked by the consumer)
+        "job": _opt(msg, "job", _int, lo=1, where=w),
+        "kind": kind,
+        "message": _opt(msg, "message", _str, max_len=MAX_MESSAGE_CHARS, where=w) or "",
+        "payload": payload,
+        "learner": _opt(msg, "learner", _int, hi=MAX_INT32, where=w),
+        "pool": _opt(msg, "pool", _str, max_len=40, where=w, pattern=SLUG_RE),
+        "time": _time(msg, w),
+    }
+
+
+def _subscribe(msg: dict) -> dict:
+    w = "subscribe"
+    _check_keys(msg, {"type", "job", "learner"}, set(), w)
+    return {
+        "type": "subscribe",
+        "job": _int(msg, "job", lo=1, where=w),
+        "learner": _int(msg, "learner", hi=MAX_INT32, where=w),
+    }
+
+
+def _publish(msg: dict) -> dict:
+    w = "publish"
+    _check_keys(msg, {"type", "message"}, {"job"}, w)
+    inner = msg["message"]
+    if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):
+        raise ProtocolError("publish.message must be an object with a string 'type'")
+    if not TYPE_RE.match(inner["type"]):
+        raise ProtocolError("publish.message.type has an invalid format")
+    return {"type": "publish", "job": _opt(msg, "job", _int, lo=1, where=w), "message": inner}
+
+
+def _ping(msg: dict) -> dict:
+    _check_keys(msg, {"type"}, {"time"}, "ping")
+    return {"type": "ping"}
+
+
+PARSERS = {
+    "hello": _hello,
+    "heartbeat": _heartbeat,
+    "metrics": _metrics,
+    "event": _event,
+    "subscribe": _subscribe,
+    "publish": _publish,
+    "ping": _ping,
+}
+
+
+def parse_message(obj: Any) -> dict:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a JSON object, got {type(obj).__name__}")
+    kind = obj.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("message has no string 'type'")
+    parser = PARSERS.get(kind)
+    if parser is None:
+        raise ProtocolError(f"unknown message type {kind[:40]!r}")
+    return parser(obj)
+
+
+def parse_frame(text: str | None, max_bytes: int) -> dict:
+    """Decode and validate one text frame; ProtocolError on anything malformed."""
+    if text is None:
+        raise ProtocolError("binary frames are not accepted; send JSON text")
+    # len(text) <= bytes <= 4 * len(text): only encode when it can matter.
+    if len(text) > max_bytes or (4 * len(text) > max_bytes and len(text.encode()) > max_bytes):
+        raise ProtocolError(f"frame larger than {max_bytes} bytes")
+    return parse_message(loads(text))
