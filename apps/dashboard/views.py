@@ -68,7 +68,7 @@ def overview(request):
         "running": running,
         "active_total": sum(counts.get(s, 0) for s in data.ACTIVE),
         "counts": counts,
-        "pools": data.pool_rows(),
+        "rows": data.pool_rows(),
         "incidents": incidents,
         "today": data.energy_cost_today(jobs),
         "nav": "overview",
@@ -181,12 +181,11 @@ def job_new(request):
                 else:
                     messages.success(request, f"Job #{job.pk} submitted.")
                     return redirect("dashboard:job", pk=job.pk)
-        status = 200 if form.is_valid() else 400
     else:
         form = JobSpecForm()
-        status = 200
-    return render(request, "dashboard/job_new.html", {"form": form, "preview": preview, "nav": "new"},
-                  status=status)
+    # Invalid input re-renders with 200 and the errors inline (as Django forms do): a 4xx
+    # document would be logged by browsers as a failed resource load.
+    return render(request, "dashboard/job_new.html", {"form": form, "preview": preview, "nav": "new"})
 
 
 def _empty_health() -> dict:

@@ -118,6 +118,7 @@ def test_overview_shows_sparklines_incidents_and_energy(client, alice, job_facto
     body = client.get("/").content.decode()
     assert 'aria-label="loss of job sparky' in body and "<polyline" in body
     assert "open one" in body
+    assert 'data-pool="h100-east"' in body and "h100-east" in body  # fleet utilisation by pool
     assert "2.00 kWh" in body and "12.50" in body
 
 
