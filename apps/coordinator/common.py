@@ -56,8 +56,12 @@ def train_config(job):
     from trainer.config import TrainConfig
 
     spec = job_spec(job)
-    cache = os.environ.get("DILOCO_DATA_CACHE") or str(settings.VAR_DIR / "data-cache")
-    return TrainConfig.from_spec(spec, cache_dir=cache)
+    return TrainConfig.from_spec(spec, cache_dir=default_cache_dir())
+
+
+def default_cache_dir() -> str:
+    """The engine's token cache (shared by every process on the host; built once per corpus)."""
+    return os.environ.get("DILOCO_CACHE_DIR") or str(settings.BASE_DIR / "var" / "cache")
 
 
 @functools.lru_cache(maxsize=4)

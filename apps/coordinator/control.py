@@ -21,6 +21,8 @@ from .dispatch import BUSY, choose_pool, dispatch, free_slots, mark_node_lost, p
 from .models import LearnerRuntime, SyncerLease
 
 ACTIVE = (st.RUNNING, st.PAUSING)
+MOVE_COOLDOWN_S = 30.0
+MOVE_MIN_GAIN = 0.5  # measured tokens/s on shared hosts are noisy: move only for a clear win
 
 
 def reconcile(job_id: int) -> str:
@@ -251,14 +253,18 @@ def rebalance() -> dict:
                           {"learner": lr.index, "before": lr.work_size, "after": new,
                            "tokens_per_s": lr.tokens_per_s, "reason": "dynamic local updates"})
                     out["resized"] += 1
-        # 3. moves to faster / cheaper / greener pools with free slots
-        if running:
+        # 3. moves to faster / cheaper / greener pools with free slots (measured for a while,
+        #    at most one move per job per MOVE_COOLDOWN_S)
+        settled = [lr for lr in running if lr.started_at and lr.started_at < now() - timedelta(seconds=5)]
+        recent = Event.objects.filter(job=job, kind=Event.Kind.REBALANCED, payload__has_key="to",
+                                      time__gte=now() - timedelta(seconds=MOVE_COOLDOWN_S)).exists()
+        if settled and not recent:
             mem, flops, _ = model_figures(spec)
             status = [LearnerStatus(index=lr.index, pool=lr.pool.slug, tokens_per_s=lr.tokens_per_s)
                       for lr in running if lr.pool]
             try:
                 moves = plan_moves(status, pool_infos(job), spec.objective, model_memory_gib=mem,
-                                   model_flops_per_token=flops, max_moves=1)
+                                   model_flops_per_token=flops, max_moves=1, min_gain=MOVE_MIN_GAIN)
             except Exception:
                 log.debug("plan_moves failed", exc_info=True)
                 moves = []

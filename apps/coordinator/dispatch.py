@@ -45,7 +45,7 @@ def free_slots(exclude_learner: Learner | None = None) -> dict[str, int]:
 
 def pool_infos(job, free: dict[str, int] | None = None):
     """PoolInfo objects of the active pools a job may use (trainer.placement input)."""
-    from trainer.placement import PoolInfo
+    from trainer.placement import PoolInfo, learner_tokens_per_s
 
     spec = job_spec(job)
     free = free if free is not None else free_slots()
@@ -63,7 +63,28 @@ def pool_infos(job, free: dict[str, int] | None = None):
             link_gbps=p.link_gbps, latency_ms=p.latency_ms,
             measured_tokens_per_s=measured.get(p.slug), speed_factor=p.speed_factor, state=p.state,
         ))
+    if measured:
+        # Calibrate the catalogue estimates of unmeasured pools with what was measured, so a
+        # measured pool is never compared with a raw peak-FLOPs guess.
+        _mem, flops, _ = model_figures(spec)
+        ratios = []
+        for info in infos:
+            if info.measured_tokens_per_s:
+                est = learner_tokens_per_s(_replace(info, measured_tokens_per_s=None), 1, flops)
+                if est > 0:
+                    ratios.append(info.measured_tokens_per_s / est)
+        if ratios:
+            r = sum(ratios) / len(ratios)
+            for info in infos:
+                if not info.measured_tokens_per_s:
+                    info.measured_tokens_per_s = learner_tokens_per_s(info, 1, flops) * r
     return infos
+
+
+def _replace(info, **changes):
+    import dataclasses
+
+    return dataclasses.replace(info, **changes)
 
 
 def measured_throughput(job) -> dict[str, float]:
@@ -152,6 +173,8 @@ def dispatch(learner: Learner, pool: Pool, reason: str = "") -> int:
 
     with transaction.atomic():
         row = Learner.objects.select_for_update().get(pk=learner.pk)
+        if row.state != Learner.State.PENDING:
+            return row.incarnation  # someone else dispatched it meanwhile
         inc = row.incarnation + 1
         Learner.objects.filter(pk=row.pk).update(
             incarnation=inc, pool=pool, state=Learner.State.STARTING, node=None, last_heartbeat=None)

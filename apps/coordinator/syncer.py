@@ -100,7 +100,9 @@ class SyncerRun:
         from trainer.syncer import Syncer
 
         torch.set_num_threads(1)
-        model = build_model(self.config.model, seq_len=self.config.seq_len, seed=self.config.seed)
+        data = corpus(self.config.dataset, self.config.cache_dir)
+        model = build_model(self.config.model, seq_len=self.config.seq_len, seed=self.config.seed,
+                            vocab_size=data.vocab_size)
         self.eval_model = model
         self.syncer = Syncer(self.config, model, WallClock(), job=str(self.job_id))
         self.shapes = {k: tuple(v.shape) for k, v in self.syncer.global_state().items()}
@@ -109,6 +111,11 @@ class SyncerRun:
             snap = codec.unpack(self.store.get(lease.state_key))
             self.syncer.load_state_dict(snap["syncer"])
             self.ledger = Ledger(snap["ledger"])
+            for key in snap.get("pending", []):  # restored inside the engine's state too
+                ref = keys.parse_contrib_key(key)
+                if ref is not None:
+                    self.pending[key] = ref
+                    self.seen.add(key)
             self.counters.update(snap.get("counters", {}))
             self.commits = lease.commits
             self.head = {int(k): int(v) for k, v in lease.head.items()}
@@ -134,6 +141,9 @@ class SyncerRun:
         for index, inc, point, state in Learner.objects.filter(job_id=self.job_id).values_list(
                 "index", "incarnation", "runtime__resume_point", "state"):
             self.fences[index] = (inc, point, state)
+        live = sum(1 for f in self.fences.values()
+                   if f[2] in (Learner.State.RUNNING, Learner.State.STARTING, Learner.State.PENDING))
+        self.syncer.set_expected_learners(max(1, live))
         return status
 
     # ------------------------------------------------------------------ contributions
@@ -191,6 +201,9 @@ class SyncerRun:
                 self._refuse(ref, f"invalid: {exc}"[:200])
                 continue
             res = self.syncer.submit(c)
+            if not res.accepted and res.reason.startswith("duplicate"):
+                self.counters["duplicates_refused"] += 1
+                continue  # already applied (or pending, restored from the snapshot): nothing to do
             if res.accepted:
                 self.pending[key] = ref
                 self.counters["accepted"] += 1
@@ -229,12 +242,21 @@ class SyncerRun:
         done = 0
         for p in frags:
             t0 = time.perf_counter()
-            result = self.syncer.merge(p)
-            if result is None:
+            try:
+                result = self.syncer.merge(p, force=force)
+            except ValueError as exc:  # nothing left to merge (all stale)
+                log.info("job %s fragment %s: %s", self.job_id, p, exc)
+                self._drop_stale(p, set())
                 continue
             self.commit(result, time.perf_counter() - t0)
             done += 1
         return done
+
+    def _drop_stale(self, p: int, used_keys: set[str]) -> None:
+        """Pending refs of fragment p the merge left out were dropped by the staleness rule."""
+        for k in [k for k, ref in self.pending.items() if ref.fragment == p and k not in used_keys]:
+            ref = self.pending.pop(k)
+            self._refuse(ref, "stale: dropped at merge time")
 
     def commit(self, r, merge_s: float) -> None:
         t0 = time.perf_counter()
@@ -246,6 +268,7 @@ class SyncerRun:
                      == (p, c["learner"], c["incarnation"], c["base_version"])]
             for k in match:
                 used.append(self.pending.pop(k))
+        self._drop_stale(p, {u.key for u in used})
         tokens = 0
         contributors = []
         for c in r.contributors:
@@ -265,6 +288,7 @@ class SyncerRun:
         snap_key = keys.syncer_state_key(self.job_id, self.commits)
         self.store.put(snap_key, codec.pack({
             "syncer": self.syncer.state_dict(), "ledger": self.ledger.to_dict(), "counters": self.counters,
+            "pending": sorted(self.pending),
             "last_eval_commit": self.last_eval_commit, "last_ckpt_commit": self.last_ckpt_commit}))
         with transaction.atomic():
             lease = SyncerLease.objects.select_for_update() \
@@ -337,12 +361,41 @@ class SyncerRun:
         return ck
 
     # ------------------------------------------------------------------ main loop
+    def _pulse(self) -> None:
+        """Stamp the lease from a side thread while the main loop keeps ticking (slow builds and
+        evaluations must not look like a dead syncer; a hung loop stops the stamps)."""
+        from django.db import connection
+
+        while not self._stop.wait(min(0.5, hb_interval())):
+            if time.monotonic() - self.tick > 60:
+                continue
+            try:
+                n = SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch) \
+                    .update(last_heartbeat=now())
+                if n == 0:
+                    return
+            except Exception:
+                log.debug("syncer pulse failed", exc_info=True)
+        connection.close()
+
     def run(self) -> str:
+        import threading
+
+        self.tick = time.monotonic()
+        self._stop = threading.Event()
+        pulse = threading.Thread(target=self._pulse, name=f"syncer-{self.job_id}-pulse", daemon=True)
+        pulse.start()
+        try:
+            return self._run()
+        finally:
+            self._stop.set()
+
+    def _run(self) -> str:
         self.build()
         next_hb = 0.0
         status = st.RUNNING
         while True:
-            t = time.monotonic()
+            t = self.tick = time.monotonic()
             if t >= next_hb:
                 status = self.heartbeat()
                 next_hb = t + min(0.5, hb_interval())

@@ -61,7 +61,7 @@ class LoopResult:
 class LearnerLoop:
     def __init__(self, learner, store, *, job, index: int, incarnation: int, host: Host,
                  compression: str = "none", heartbeat_interval: float = 1.0, poll_interval: float = 0.25,
-                 checkpoint_interval: float = 2.0, speed_factor: float = 1.0,
+                 checkpoint_interval: float = 2.0, speed_factor: float = 1.0, final_wait: float = 5.0,
                  decode_global: Callable[[bytes], Any] | None = None, clock=time.monotonic):
         self.learner = learner
         self.store = store
@@ -75,6 +75,7 @@ class LearnerLoop:
         self.checkpoint_interval = checkpoint_interval
         self.speed_factor = max(0.01, min(1.0, float(speed_factor)))
         self.clock = clock
+        self.final_wait = final_wait
         if decode_global is None:
             from trainer.protocol import GlobalFragment
 
@@ -138,17 +139,47 @@ class LearnerLoop:
     # ------------------------------------------------------------------ contributions
     def push_due(self) -> int:
         due = self.learner.due_contributions()
-        pos = int(self.learner.tokens)
         for c in due:
-            start = self.frag_pos.get(c.fragment, 0)
-            key = keys.contrib_key(self.job, self.index, self.incarnation, c.fragment, c.base_version,
-                                   start, pos)
-            blob = c.to_bytes(self.compression)
-            self.bytes_sent += len(blob)
-            self.writer.put(key, blob)
-            self.frag_pos[c.fragment] = pos
-            self.contributions += 1
+            self._push(c)
         return len(due)
+
+    def _push(self, c) -> None:
+        pos = int(self.learner.tokens)
+        start = self.frag_pos.get(c.fragment, 0)
+        if start >= pos:
+            return
+        key = keys.contrib_key(self.job, self.index, self.incarnation, c.fragment, c.base_version, start, pos)
+        blob = c.to_bytes(self.compression)
+        self.bytes_sent += len(blob)
+        self.writer.put(key, blob)
+        self.frag_pos[c.fragment] = pos
+        self.contributions += 1
+
+    def finish(self, wait: float | None = None) -> None:
+        """Contribute the last progress of every fragment.
+
+        A fragment whose previous contribution is still unanswered cannot send again until a
+        newer global version is adopted, so wait (bounded) for those answers first.
+        """
+        self.push_due()
+        wait = self.final_wait if wait is None else wait
+        deadline = self.clock() + wait
+        while True:
+            self.poll_globals()
+            if hasattr(self.learner, "flush"):
+                for c in self.learner.flush():
+                    self._push(c)
+            outstanding = [p for p in range(len(getattr(self.learner, "fragments", [])))
+                           if getattr(self.learner, "outstanding", lambda p: False)(p)
+                           and self._unsent(p)]
+            if not outstanding or self.clock() >= deadline:
+                break
+            time.sleep(self.poll_interval / 2)
+        self.checkpoint()
+
+    def _unsent(self, p: int) -> bool:
+        """Progress made on fragment p after its last contribution."""
+        return int(self.learner.tokens) > self.frag_pos.get(p, 0)
 
     def checkpoint(self) -> None:
         state = {"state": self.learner.state_dict(), "frag_pos": dict(self.frag_pos),
@@ -191,8 +222,7 @@ class LearnerLoop:
                         result.reason = ctl.reason
                         break
                 if getattr(self.learner, "done", False):
-                    self.push_due()
-                    self.checkpoint()
+                    self.finish()
                     result.outcome = "done"
                     break
                 if max_seconds is not None and now - t_start > max_seconds:
