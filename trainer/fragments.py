@@ -11,6 +11,7 @@ Schedule: fragment p of P syncs after inner steps where step mod H == floor(H (p
 (torchft's offsets), so with P = H one fragment syncs after every inner step and with P = 1
 the whole model syncs every H steps, as in classic DiLoCo.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,13 +33,15 @@ def _unit(name: str) -> str:
     return m.group(1) if m else name.split(".", 1)[0]
 
 
-def make_fragments(model: nn.Module | dict[str, torch.Tensor], P: int, mode: str = "strided") -> list[list[str]]:
+def make_fragments(
+    model: nn.Module | dict[str, torch.Tensor], P: int, mode: str = "strided"
+) -> list[list[str]]:
     """Parameter names per fragment, each list in model order. Deterministic."""
     tensors = named_tensors(model)
     names = list(tensors)
     if P < 1:
         raise ValueError("fragments must be >= 1")
-    if P > len(names):
+    if len(names) < P:
         raise ValueError(f"{P} fragments but the model has only {len(names)} parameter tensors")
     order = {n: i for i, n in enumerate(names)}
     if mode == "strided":

@@ -19,6 +19,7 @@ progress made meanwhile is kept, scaled by mix_alpha), or the previous base when
 outstanding (the unsent progress is kept, scaled). With lock-step learners (nothing happens
 between send and adopt) this is classic DiLoCo: local <- global. The inner AdamW state is kept.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,23 +55,37 @@ def inner_lr(config: TrainConfig, step: int) -> float:
 
 
 def load_corpus(config: TrainConfig) -> Corpus:
-    return Corpus.load(config.dataset, cache_dir=config.cache_dir, tokenizer=config.tokenizer,
-                       val_fraction=config.val_fraction)
+    return Corpus.load(
+        config.dataset,
+        cache_dir=config.cache_dir,
+        tokenizer=config.tokenizer,
+        val_fraction=config.val_fraction,
+    )
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     kwargs = {"fused": True} if device.type in ("cpu", "cuda") else {}
     return torch.optim.AdamW(groups, lr=config.inner_lr, betas=tuple(config.betas), **kwargs)
 
 
 class Learner:
-    def __init__(self, config: TrainConfig, index: int, incarnation: int = 0, corpus: Corpus | None = None,
-                 model: nn.Module | None = None, job: str = "local", num_learners: int | None = None,
-                 standalone: bool = False) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        index: int,
+        incarnation: int = 0,
+        corpus: Corpus | None = None,
+        model: nn.Module | None = None,
+        job: str = "local",
+        num_learners: int | None = None,
+        standalone: bool = False,
+    ) -> None:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -86,11 +101,19 @@ class Learner:
         self.model.train()
         self.params = dict(self.model.named_parameters())
         self.fragments = make_fragments(self.model, config.fragments, config.fragment_mode)
-        self.stream = TokenStream(self.corpus, index, num_learners or config.learners, config.batch_size,
-                                  config.seq_len, config.seed)
+        self.stream = TokenStream(
+            self.corpus,
+            index,
+            num_learners or config.learners,
+            config.batch_size,
+            config.seq_len,
+            config.seed,
+        )
         self.optimizer = make_optimizer(self.model, config, self.device)
         self.base: dict[int, dict[str, torch.Tensor]] = {
-            p: {n: self.params[n].detach().float().clone() for n in names} for p, names in enumerate(self.fragments)}
+            p: {n: self.params[n].detach().float().clone() for n in names}
+            for p, names in enumerate(self.fragments)
+        }
         self.adopted_versions: dict[int, int] = dict.fromkeys(range(len(self.fragments)), 0)
         self._sent: dict[int, dict[str, torch.Tensor] | None] = dict.fromkeys(range(len(self.fragments)))
         self._since: dict[int, list[int]] = {p: [0, 0] for p in range(len(self.fragments))}
@@ -139,7 +162,7 @@ class Learner:
             self.cycle_step = 0
             if self._next_work_size is not None:
                 self.work_size, self._next_work_size = self._next_work_size, None
-        self.last_loss = float(loss)
+        self.last_loss = float(loss.detach())
         return StepResult(loss=self.last_loss, tokens=ntok, step=self.inner_steps)
 
     def set_work_size(self, inner_steps_per_cycle: int) -> None:
@@ -166,9 +189,18 @@ class Learner:
             delta = {n: (self.base[p][n] - local[n]).cpu() for n in names}
         self._sent[p] = local
         self._sent_counts[p] = [tokens, steps]
-        self._due.append(Contribution(job=self.job, learner=self.index, incarnation=self.incarnation, fragment=p,
-                                      base_version=self.adopted_versions[p], tokens=tokens, inner_steps=steps,
-                                      tensors=delta))
+        self._due.append(
+            Contribution(
+                job=self.job,
+                learner=self.index,
+                incarnation=self.incarnation,
+                fragment=p,
+                base_version=self.adopted_versions[p],
+                tokens=tokens,
+                inner_steps=steps,
+                tensors=delta,
+            )
+        )
 
     def due_contributions(self) -> list[Contribution]:
         out, self._due = self._due, []
@@ -227,8 +259,10 @@ class Learner:
             "stream": self.stream.state_dict(),
             "adopted_versions": dict(self.adopted_versions),
             "base": {p: {n: t.cpu().clone() for n, t in d.items()} for p, d in self.base.items()},
-            "sent": {p: (None if d is None else {n: t.cpu().clone() for n, t in d.items()})
-                     for p, d in self._sent.items()},
+            "sent": {
+                p: (None if d is None else {n: t.cpu().clone() for n, t in d.items()})
+                for p, d in self._sent.items()
+            },
             "sent_counts": {p: list(v) for p, v in self._sent_counts.items()},
             "since": {p: list(v) for p, v in self._since.items()},
             "inner_steps": self.inner_steps,
@@ -250,8 +284,10 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.stream.load_state_dict(state["stream"])
         self.adopted_versions = {int(p): int(v) for p, v in state["adopted_versions"].items()}
-        self.base = {int(p): {n: t.to(self.device).float().clone() for n, t in d.items()}
-                     for p, d in state["base"].items()}
+        self.base = {
+            int(p): {n: t.to(self.device).float().clone() for n, t in d.items()}
+            for p, d in state["base"].items()
+        }
         self._since = {int(p): [int(a), int(b)] for p, (a, b) in state["since"].items()}
         self.inner_steps = int(state["inner_steps"])
         self.tokens = int(state["tokens"])
@@ -260,14 +296,25 @@ class Learner:
         self._next_work_size = state["next_work_size"]
         same_incarnation = int(state["incarnation"]) == self.incarnation
         if same_incarnation:
-            self._sent = {int(p): (None if d is None else {n: t.to(self.device).float().clone()
-                                                           for n, t in d.items()})
-                          for p, d in state["sent"].items()}
+            self._sent = {
+                int(p): (None if d is None else {n: t.to(self.device).float().clone() for n, t in d.items()})
+                for p, d in state["sent"].items()
+            }
             self._sent_counts = {int(p): [int(a), int(b)] for p, (a, b) in state["sent_counts"].items()}
-            self._due = [Contribution(job=d["job"], learner=d["learner"], incarnation=d["incarnation"],
-                                      fragment=d["fragment"], base_version=d["base_version"], tokens=d["tokens"],
-                                      inner_steps=d["inner_steps"], tensors=d["tensors"], checksum=d["checksum"])
-                         for d in state["due"]]
+            self._due = [
+                Contribution(
+                    job=d["job"],
+                    learner=d["learner"],
+                    incarnation=d["incarnation"],
+                    fragment=d["fragment"],
+                    base_version=d["base_version"],
+                    tokens=d["tokens"],
+                    inner_steps=d["inner_steps"],
+                    tensors=d["tensors"],
+                    checksum=d["checksum"],
+                )
+                for d in state["due"]
+            ]
         else:
             # A new incarnation: what the old one sent is fenced out by the syncer, so nothing is
             # outstanding; the progress since the adopted base goes out with the next contribution.

@@ -31,6 +31,7 @@ them, so a syncer restored from a checkpoint never applies a contribution twice.
 contribution from an incarnation older than the newest seen (or fenced) for its learner is
 refused, and `fence()` drops pending ones from older incarnations.
 """
+
 from __future__ import annotations
 
 import math
@@ -97,8 +98,13 @@ class _Ema:
 
 
 class Syncer:
-    def __init__(self, config: TrainConfig, initial: dict[str, torch.Tensor] | nn.Module, clock: Clock,
-                 job: str = "local") -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        initial: dict[str, torch.Tensor] | nn.Module,
+        clock: Clock,
+        job: str = "local",
+    ) -> None:
         self.config = config
         self.clock = clock
         self.job = job
@@ -142,8 +148,9 @@ class Syncer:
         if c.base_version > version:
             return self._reject(f"future: base version {c.base_version} > {version}")
         if version - c.base_version > self.config.max_staleness:
-            return self._reject(f"stale: {version - c.base_version} versions behind "
-                                f"(max {self.config.max_staleness})")
+            return self._reject(
+                f"stale: {version - c.base_version} versions behind (max {self.config.max_staleness})"
+            )
         if c.tokens < 1 or c.inner_steps < 1:
             return self._reject("invalid: tokens and inner_steps must be >= 1")
         names = self.fragments[c.fragment]
@@ -182,8 +189,11 @@ class Syncer:
         if incarnation > self.incarnations.get(learner, 0):
             self.incarnations[learner] = incarnation
         for rnd in self._rounds.values():
-            for key in [k for k, v in rnd.pending.items()
-                        if v.contribution.learner == learner and v.contribution.incarnation < incarnation]:
+            for key in [
+                k
+                for k, v in rnd.pending.items()
+                if v.contribution.learner == learner and v.contribution.incarnation < incarnation
+            ]:
                 del rnd.pending[key]
                 self.rejections["fenced"] = self.rejections.get("fenced", 0) + 1
             self._recheck_quorum(rnd)
@@ -234,15 +244,20 @@ class Syncer:
         t0 = time.perf_counter()
         rnd = self._rounds[fragment]
         version = self.versions[fragment]
-        entries = [e for e in rnd.pending.values()
-                   if version - e.contribution.base_version <= self.config.max_staleness]
+        entries = [
+            e
+            for e in rnd.pending.values()
+            if version - e.contribution.base_version <= self.config.max_staleness
+        ]
         dropped = len(rnd.pending) - len(entries)
         if dropped:
             self.rejections["stale"] = self.rejections.get("stale", 0) + dropped
         if not entries:
             raise ValueError(f"fragment {fragment}: nothing to merge")
         if not force and len(entries) < self.config.quorum:
-            raise ValueError(f"fragment {fragment}: {len(entries)} contributions, quorum is {self.config.quorum}")
+            raise ValueError(
+                f"fragment {fragment}: {len(entries)} contributions, quorum is {self.config.quorum}"
+            )
         entries.sort(key=lambda e: e.contribution.key)
         weights = [self.weight(e.contribution, version) for e in entries]
         total = sum(weights)
@@ -258,19 +273,35 @@ class Syncer:
         for e, w in zip(entries, norm_w, strict=True):
             c = e.contribution
             self.applied.add(c.key)
-            contributors.append({"learner": c.learner, "incarnation": c.incarnation, "base_version": c.base_version,
-                                 "staleness": version - c.base_version, "tokens": c.tokens,
-                                 "inner_steps": c.inner_steps, "weight": w})
+            contributors.append(
+                {
+                    "learner": c.learner,
+                    "incarnation": c.incarnation,
+                    "base_version": c.base_version,
+                    "staleness": version - c.base_version,
+                    "tokens": c.tokens,
+                    "inner_steps": c.inner_steps,
+                    "weight": w,
+                }
+            )
         self._prune(fragment)
         rnd.pending.clear()
         rnd.first_arrival = rnd.quorum_at = rnd.deadline = None
         duration = time.perf_counter() - t0
         self.xi_sync.update(duration)
         self.merges += 1
-        return MergeResult(fragment=fragment, version=new_version, global_fragment=self.global_fragment(fragment),
-                           contributors=contributors, merged_norm=merged_norm, duration_s=duration)
+        return MergeResult(
+            fragment=fragment,
+            version=new_version,
+            global_fragment=self.global_fragment(fragment),
+            contributors=contributors,
+            merged_norm=merged_norm,
+            duration_s=duration,
+        )
 
-    def _combine(self, names: list[str], deltas: list[list[torch.Tensor]], w: list[float]) -> list[torch.Tensor]:
+    def _combine(
+        self, names: list[str], deltas: list[list[torch.Tensor]], w: list[float]
+    ) -> list[torch.Tensor]:
         if self.config.rda:
             out = []
             for i, n in enumerate(names):
@@ -319,8 +350,12 @@ class Syncer:
 
     # -- views ------------------------------------------------------------------------------
     def global_fragment(self, p: int) -> GlobalFragment:
-        return GlobalFragment(job=self.job, fragment=p, version=self.versions[p],
-                              tensors={n: self.params[n].clone() for n in self.fragments[p]})
+        return GlobalFragment(
+            job=self.job,
+            fragment=p,
+            version=self.versions[p],
+            tensors={n: self.params[n].clone() for n in self.fragments[p]},
+        )
 
     def global_state(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.params.items()}
@@ -346,9 +381,16 @@ class Syncer:
             "merges": self.merges,
             "ema": [self.xi_step.value, self.xi_quorum.value, self.xi_sync.value],
             "expected_learners": self.expected_learners,
-            "pending": [dict(e.contribution.header(), tensors=e.contribution.tensors,
-                             checksum=e.contribution.checksum, arrived=e.arrived)
-                        for rnd in self._rounds.values() for e in rnd.pending.values()],
+            "pending": [
+                dict(
+                    e.contribution.header(),
+                    tensors=e.contribution.tensors,
+                    checksum=e.contribution.checksum,
+                    arrived=e.arrived,
+                )
+                for rnd in self._rounds.values()
+                for e in rnd.pending.values()
+            ],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -368,7 +410,15 @@ class Syncer:
         self._rounds = {p: _Round() for p in range(len(self.fragments))}
         self._last_arrival = {}
         for d in state["pending"]:
-            c = Contribution(job=d["job"], learner=d["learner"], incarnation=d["incarnation"], fragment=d["fragment"],
-                             base_version=d["base_version"], tokens=d["tokens"], inner_steps=d["inner_steps"],
-                             tensors=d["tensors"], checksum=d["checksum"])
+            c = Contribution(
+                job=d["job"],
+                learner=d["learner"],
+                incarnation=d["incarnation"],
+                fragment=d["fragment"],
+                base_version=d["base_version"],
+                tokens=d["tokens"],
+                inner_steps=d["inner_steps"],
+                tensors=d["tensors"],
+                checksum=d["checksum"],
+            )
             self.submit(c, now=d["arrived"])

@@ -1,0 +1,294 @@
+"""The syncer's merge rule, one behaviour per test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.checkpoint import state_from_bytes, state_to_bytes
+from trainer.clock import ManualClock
+from trainer.config import TrainConfig
+from trainer.protocol import Contribution
+from trainer.syncer import Syncer
+
+SHAPES = {"a.weight": (4, 3), "b.bias": (5,)}
+
+
+def _initial(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def _config(**kw):
+    base = {
+        "learners": 4,
+        "quorum": 2,
+        "inner_steps": 4,
+        "fragments": 1,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "max_staleness": 2,
+        "grace_cap_s": 5.0,
+    }
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _delta(seed, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return {n: torch.randn(s, generator=g) * scale for n, s in SHAPES.items()}
+
+
+def _contrib(
+    learner, base_version=0, tokens=100, steps=4, incarnation=0, tensors=None, seed=None, job="local"
+):
+    return Contribution(
+        job=job,
+        learner=learner,
+        incarnation=incarnation,
+        fragment=0,
+        base_version=base_version,
+        tokens=tokens,
+        inner_steps=steps,
+        tensors=tensors if tensors is not None else _delta(learner if seed is None else seed),
+    )
+
+
+def test_outer_step_equals_torch_sgd_nesterov():
+    cfg = _config(learners=1, quorum=1, outer_lr=0.7, outer_momentum=0.9)
+    init = _initial()
+    syncer = Syncer(cfg, init, ManualClock())
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(5):
+        delta = _delta(step)
+        assert syncer.submit(_contrib(0, base_version=step, tensors=delta)).accepted
+        syncer.merge(0)
+        for n, p in ref.items():
+            p.grad = delta[n].clone()
+        opt.step()
+        for n in SHAPES:
+            torch.testing.assert_close(syncer.params[n], ref[n].detach(), rtol=0, atol=1e-6)
+
+
+def test_outer_step_without_momentum_is_plain_averaging_step():
+    cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0)
+    init = _initial()
+    syncer = Syncer(cfg, init, ManualClock())
+    d0, d1 = _delta(0), _delta(1)
+    syncer.submit(_contrib(0, tensors=d0))
+    syncer.submit(_contrib(1, tensors=d1))
+    syncer.merge(0)
+    for n in SHAPES:
+        torch.testing.assert_close(syncer.params[n], init[n] - (d0[n] + d1[n]) / 2)
+
+
+def test_token_weighting():
+    """w = tokens * tokens / steps: 300 tokens over 3 steps outweighs 100 over 4 by 9 * 4 = 36."""
+    cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0)
+    init = _initial()
+    syncer = Syncer(cfg, init, ManualClock())
+    d0, d1 = _delta(0), _delta(1)
+    syncer.submit(_contrib(0, tokens=100, steps=4, tensors=d0))
+    syncer.submit(_contrib(1, tokens=300, steps=3, tensors=d1))
+    result = syncer.merge(0)
+    w0, w1 = 100 * 100 / 4, 300 * 300 / 3
+    assert [c["weight"] for c in result.contributors] == pytest.approx([w0 / (w0 + w1), w1 / (w0 + w1)])
+    for n in SHAPES:
+        torch.testing.assert_close(syncer.params[n], init[n] - (w0 * d0[n] + w1 * d1[n]) / (w0 + w1))
+
+
+def test_quorum_is_needed_before_merge():
+    clock = ManualClock()
+    syncer = Syncer(_config(learners=4, quorum=3), _initial(), clock)
+    syncer.submit(_contrib(0))
+    syncer.submit(_contrib(1))
+    clock.advance(100.0)
+    assert syncer.due() == []
+    assert syncer.deadline(0) is None
+    with pytest.raises(ValueError, match="quorum"):
+        syncer.merge(0)
+    syncer.submit(_contrib(2))
+    assert syncer.deadline(0) is not None
+    clock.advance(100.0)
+    assert syncer.due() == [0]
+    assert len(syncer.merge(0).contributors) == 3
+
+
+def test_everyone_arrived_merges_without_waiting_for_grace():
+    clock = ManualClock()
+    syncer = Syncer(_config(learners=2, quorum=1, grace_cap_s=50.0), _initial(), clock)
+    syncer.observe(step_time=10.0)
+    syncer.submit(_contrib(0))
+    assert syncer.deadline(0) > clock.now()
+    assert syncer.due() == []
+    syncer.submit(_contrib(1))
+    assert syncer.due() == [0]
+
+
+def test_grace_window_formula_and_bound():
+    """g = clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, cap)."""
+    cfg = _config(learners=4, quorum=1, inner_steps=8, grace_cap_s=3.0, grace_gamma=0.5, ema_beta=0.0)
+    assert cfg.tau == 8  # default tau = H // P
+    cfg = cfg.replace(overlap_steps=4)
+    clock = ManualClock()
+    syncer = Syncer(cfg, _initial(), clock)
+    assert syncer.grace_window() == 0.0  # nothing measured yet: no waiting
+    syncer.observe(step_time=1.0, transfer_time=0.5)
+    assert syncer.grace_window() == pytest.approx(0.5 * (4 * 1.0 - 0.0 - 0.5))
+    syncer.observe(step_time=100.0)
+    assert syncer.grace_window() == 3.0  # capped
+    syncer.observe(step_time=0.01, transfer_time=10.0)
+    assert syncer.grace_window() == 0.0  # no slack: no waiting
+    # the deadline set at quorum uses the window of that moment, and `due` honours it
+    syncer.observe(step_time=0.5, transfer_time=0.0)
+    syncer.submit(_contrib(0))
+    assert syncer.deadline(0) == pytest.approx(clock.now() + 0.5 * 4 * 0.5)
+    clock.advance(0.99)
+    assert syncer.due() == []
+    clock.advance(0.02)
+    assert syncer.due() == [0]
+
+
+def test_grace_window_learns_step_time_from_arrivals():
+    cfg = _config(learners=2, quorum=1, inner_steps=4, grace_cap_s=100.0, ema_beta=0.0)
+    clock = ManualClock()
+    syncer = Syncer(cfg, _initial(), clock)
+    syncer.submit(_contrib(0, steps=4))
+    syncer.merge(0)
+    clock.advance(8.0)  # 4 steps in 8 s: 2 s per step
+    syncer.submit(_contrib(0, base_version=1, steps=4))
+    assert syncer.xi_step.get() == pytest.approx(2.0)
+
+
+def test_staleness_rule_discounts_then_drops():
+    cfg = _config(
+        learners=4, quorum=1, outer_lr=1.0, outer_momentum=0.0, max_staleness=2, staleness_discount=1.0
+    )
+    syncer = Syncer(cfg, _initial(), ManualClock())
+    for v in range(3):  # advance fragment 0 to version 3
+        syncer.submit(_contrib(3, base_version=v, seed=50 + v))
+        syncer.merge(0)
+    assert syncer.versions[0] == 3
+    refused = syncer.submit(_contrib(0, base_version=0))
+    assert not refused.accepted and refused.reason.startswith("stale")
+    assert syncer.submit(_contrib(1, base_version=1, tokens=100, steps=4)).accepted  # staleness 2
+    assert syncer.submit(_contrib(2, base_version=3, tokens=100, steps=4)).accepted  # fresh
+    result = syncer.merge(0)
+    by_learner = {c["learner"]: c for c in result.contributors}
+    assert by_learner[1]["staleness"] == 2
+    # same tokens and steps: weight ratio is the discount 1 / (1 + 2)
+    assert by_learner[1]["weight"] / by_learner[2]["weight"] == pytest.approx(1 / 3)
+    assert syncer.rejections["stale"] == 1
+
+
+def test_pending_contribution_that_became_too_stale_is_dropped_at_merge():
+    cfg = _config(learners=4, quorum=1, max_staleness=0)
+    syncer = Syncer(cfg, _initial(), ManualClock())
+    syncer.submit(_contrib(0, base_version=0))
+    syncer._rounds[
+        0
+    ].pending.clear()  # simulate: learner 1 arrives, a merge happens, learner 0's late copy waits
+    syncer.submit(_contrib(1, base_version=0))
+    syncer.merge(0)
+    syncer.submit(_contrib(2, base_version=1))
+    assert syncer.merge(0).contributors[0]["learner"] == 2
+
+
+def test_duplicate_is_rejected_pending_and_applied():
+    syncer = Syncer(_config(quorum=1), _initial(), ManualClock())
+    c = _contrib(0)
+    assert syncer.submit(c).accepted
+    again = syncer.submit(_contrib(0))
+    assert not again.accepted and again.reason.startswith("duplicate")
+    syncer.merge(0)
+    before = {n: t.clone() for n, t in syncer.params.items()}
+    late = syncer.submit(_contrib(0))
+    assert not late.accepted and late.reason.startswith("duplicate")
+    for n in SHAPES:
+        assert torch.equal(before[n], syncer.params[n])
+
+
+def test_nan_and_inf_are_rejected_state_untouched():
+    syncer = Syncer(_config(quorum=1), _initial(), ManualClock())
+    before = {n: t.clone() for n, t in syncer.params.items()}
+    for bad in (float("nan"), float("inf")):
+        d = _delta(0)
+        d["a.weight"][1, 2] = bad
+        r = syncer.submit(_contrib(0, tensors=d))
+        assert not r.accepted and r.reason.startswith("nonfinite")
+    assert syncer.pending_count(0) == 0
+    assert syncer.rejections["nonfinite"] == 2
+    for n in SHAPES:
+        assert torch.equal(before[n], syncer.params[n])
+    assert syncer.submit(_contrib(0)).accepted  # the learner can still contribute afterwards
+
+
+def test_bad_shape_dtype_names_checksum_and_job_are_rejected():
+    syncer = Syncer(_config(quorum=1), _initial(), ManualClock())
+    d = _delta(0)
+    d["a.weight"] = torch.zeros(3, 4)
+    assert syncer.submit(_contrib(0, tensors=d)).reason.startswith("invalid")
+    d = _delta(0)
+    d["b.bias"] = d["b.bias"].double()
+    assert syncer.submit(_contrib(0, tensors=d)).reason.startswith("invalid")
+    d = _delta(0)
+    del d["b.bias"]
+    assert syncer.submit(_contrib(0, tensors=d)).reason.startswith("invalid")
+    c = _contrib(0)
+    c.tensors["b.bias"] += 1.0  # tampered after the checksum was taken
+    assert syncer.submit(c).reason.startswith("checksum")
+    assert syncer.submit(_contrib(0, job="other")).reason.startswith("wrong_job")
+    assert syncer.submit(_contrib(0, base_version=7)).reason.startswith("future")
+    assert syncer.pending_count(0) == 0
+
+
+def test_incarnation_fencing():
+    syncer = Syncer(_config(quorum=2), _initial(), ManualClock())
+    assert syncer.submit(_contrib(0, incarnation=0)).accepted
+    syncer.fence(0, 1)  # the watchdog restarted learner 0
+    assert syncer.pending_count(0) == 0  # the zombie's pending contribution is gone
+    zombie = syncer.submit(_contrib(0, incarnation=0, seed=9))
+    assert not zombie.accepted and zombie.reason.startswith("fenced")
+    assert syncer.submit(_contrib(0, incarnation=1)).accepted
+    # a newer incarnation seen on the wire fences the older one too
+    assert syncer.submit(_contrib(1, incarnation=0)).accepted
+    assert syncer.submit(_contrib(1, incarnation=2, seed=11)).accepted
+    assert {k[:2] for k in syncer._rounds[0].pending} == {(0, 1), (1, 2)}
+    assert not syncer.submit(_contrib(1, incarnation=1, seed=12)).accepted
+
+
+def test_idempotent_across_state_dict_restore():
+    cfg = _config(quorum=1, outer_lr=0.7, outer_momentum=0.9)
+    syncer = Syncer(cfg, _initial(), ManualClock())
+    syncer.submit(_contrib(0))
+    syncer.merge(0)
+    syncer.submit(_contrib(1, base_version=0))  # pending at checkpoint time
+    blob = state_to_bytes(syncer.state_dict())
+    restored = Syncer(cfg, _initial(seed=5), ManualClock())
+    restored.load_state_dict(state_from_bytes(blob))
+    assert restored.versions == {0: 1}
+    assert restored.pending_count(0) == 1
+    r = restored.submit(_contrib(0))  # redelivered after the restart
+    assert not r.accepted and r.reason.startswith("duplicate")
+    syncer.merge(0)
+    restored.merge(0)
+    for n in SHAPES:
+        assert torch.equal(syncer.params[n], restored.params[n])
+        assert torch.equal(syncer.momentum[n], restored.momentum[n])
+
+
+def test_rda_averages_direction_and_magnitude_apart():
+    shapes = {"wte.weight": (3, 2), "h.weight": (2, 2)}
+    init = {n: torch.zeros(s) for n, s in shapes.items()}
+    cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0, rda=True)
+    syncer = Syncer(cfg, init, ManualClock())
+    a = {"wte.weight": torch.ones(3, 2), "h.weight": torch.tensor([[3.0, 0.0], [0.0, 0.0]])}
+    b = {"wte.weight": -torch.ones(3, 2), "h.weight": torch.tensor([[0.0, 1.0], [0.0, 0.0]])}
+    for i, d in enumerate((a, b)):
+        syncer.submit(Contribution("local", i, 0, 0, 0, 100, 4, d))
+    syncer.merge(0)
+    # embedding: plain weighted mean -> 0; other tensors: mean direction (1,1)/sqrt2 scaled to mean norm 2
+    torch.testing.assert_close(syncer.params["wte.weight"], torch.zeros(3, 2))
+    expected = -torch.tensor([[1.0, 1.0], [0.0, 0.0]]) / 2**0.5 * 2.0
+    torch.testing.assert_close(syncer.params["h.weight"], expected)

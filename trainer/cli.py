@@ -1,0 +1,159 @@
+"""`python -m trainer train ...`: run a strategy in this process and report.
+
+Prints one progress line per outer step (per evaluation round for single/ddp) and a
+summary; `--json PATH` writes the report (`--json -` prints it to stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainer.config import COMPRESSIONS, FRAGMENT_MODES, STRATEGIES, ConfigError, TrainConfig
+
+
+def _speeds(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError("speeds: comma-separated numbers, e.g. 1,1,0.5") from exc
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train in this process (M learners + syncer, or a baseline)")
+    d = TrainConfig()
+    t.add_argument("--strategy", choices=STRATEGIES, default="decoupled")
+    t.add_argument("--model", default=d.model, help="tiny|small|base|package.module:factory")
+    t.add_argument(
+        "--data", default=d.dataset, help="stdlib, a file, a directory or a glob (comma-separated)"
+    )
+    t.add_argument("--learners", "-M", type=int, default=d.learners)
+    t.add_argument("--inner-steps", "-H", type=int, default=d.inner_steps)
+    t.add_argument("--fragments", "-P", type=int, default=d.fragments)
+    t.add_argument("--quorum", "-K", type=int, default=None, help="default: max(1, M // 2)")
+    t.add_argument("--outer-lr", type=float, default=d.outer_lr)
+    t.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    t.add_argument("--inner-lr", type=float, default=d.inner_lr)
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    t.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    t.add_argument("--batch-size", type=int, default=d.batch_size)
+    t.add_argument("--seq-len", type=int, default=d.seq_len)
+    t.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner")
+    t.add_argument("--max-tokens", type=int, default=None)
+    t.add_argument("--compression", choices=COMPRESSIONS, default=d.compression)
+    t.add_argument("--max-staleness", type=int, default=d.max_staleness)
+    t.add_argument("--grace-cap", type=float, default=d.grace_cap_s, help="seconds")
+    t.add_argument("--fragment-mode", choices=FRAGMENT_MODES, default=d.fragment_mode)
+    t.add_argument("--rda", action="store_true", help="radial-directional averaging")
+    t.add_argument("--mix-alpha", type=float, default=d.mix_alpha)
+    t.add_argument("--speeds", type=_speeds, default=None, help="relative learner speeds, e.g. 1,1,1,0.5")
+    t.add_argument("--eval-every", type=int, default=d.eval_every, help="outer steps between evaluations")
+    t.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    t.add_argument("--device", default=d.device, help="auto|cpu|cuda|xpu|mps|xla")
+    t.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    t.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")
+    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--cache-dir", default=None, help="token cache (default $DILOCO_CACHE_DIR or var/cache)")
+    t.add_argument("--tokenizer", default=None, help="local tokenizer.json (needs the tokenizers package)")
+    t.add_argument("--json", default=None, help="write the report here ('-' for stdout)")
+    t.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    return parser
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    quorum = a.quorum if a.quorum is not None else max(1, a.learners // 2)
+    return TrainConfig(
+        model=a.model,
+        dataset=a.data,
+        learners=a.learners,
+        inner_steps=a.inner_steps,
+        fragments=a.fragments,
+        quorum=quorum,
+        outer_lr=a.outer_lr,
+        outer_momentum=a.outer_momentum,
+        inner_lr=a.inner_lr,
+        weight_decay=a.weight_decay,
+        warmup_steps=a.warmup_steps,
+        grad_clip=a.grad_clip,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        steps=a.steps,
+        max_tokens=a.max_tokens,
+        compression=a.compression,
+        max_staleness=a.max_staleness,
+        grace_cap_s=a.grace_cap,
+        fragment_mode=a.fragment_mode,
+        rda=a.rda,
+        mix_alpha=a.mix_alpha,
+        eval_every=a.eval_every,
+        eval_batches=a.eval_batches,
+        device=a.device,
+        bf16=a.bf16,
+        threads=a.threads or None,
+        seed=a.seed,
+        cache_dir=a.cache_dir,
+        tokenizer=a.tokenizer,
+    )
+
+
+def _progress_printer(out):
+    def show(e: dict) -> None:
+        val = e.get("val_loss")
+        val_s = f"{val:.4f}" if isinstance(val, float) else "-"
+        if "outer_step" in e:
+            line = (
+                f"[{e['strategy']}] outer {e['outer_step']:>4} frag {e['fragment']} v{e['version']} "
+                f"k={e['contributors']} tokens {e['tokens']:>10,} loss {e['loss']:.4f} val {val_s} "
+                f"sent {e['bytes_sent'] / 1e6:.1f} MB"
+            )
+        else:
+            line = (
+                f"[{e['strategy']}] round {e['round']:>4} tokens {e['tokens']:>10,} loss {e['loss']:.4f} "
+                f"val {val_s}"
+            )
+        print(line, file=out, flush=True)
+
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command != "train":  # pragma: no cover - argparse enforces the choice
+        return 2
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        for field, msg in exc.errors.items():
+            print(f"error: {field}: {msg}", file=sys.stderr)
+        return 2
+    from trainer.train import run_local  # noqa: PLC0415 - keep --help fast
+
+    progress_out = sys.stderr if args.json == "-" else sys.stdout
+    try:
+        report = run_local(
+            config,
+            args.strategy,
+            progress=None if args.quiet else _progress_printer(progress_out),
+            speeds=args.speeds,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summary = (
+        f"{report['strategy']}: val loss {report['initial_val_loss']:.4f} -> {report['final_val_loss']:.4f} "
+        f"nats/token, {report['tokens']:,} tokens, {report['outer_steps']} outer steps, "
+        f"{report['bytes_sent'] / 1e6:.1f} MB sent, {report['wall_s']:.1f} s"
+    )
+    print(summary, file=progress_out, flush=True)
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    elif args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return 0

@@ -1,0 +1,456 @@
+"""The in-process driver: M learners and a syncer in one process, deterministic.
+
+`run_local(config, strategy)` runs one of four strategies on the same engine objects the
+runtime uses and returns the JSON report.
+
+  single     one model, one AdamW (a standalone `Learner`).
+  ddp        synchronous data parallel: M replicas, each reading its own stream, gradients
+             averaged every step. Replicas of a synchronous job are identical, so this runs as
+             one model on the M batches side by side (the mean loss over the M equal batches
+             has exactly the averaged gradient). bytes_sent counts a ring all-reduce of fp32
+             gradients: 2 (M - 1) / M of the model per replica per step.
+  diloco     synchronous DiLoCo: `Learner`s + `Syncer` with quorum M (everyone, every H steps).
+  decoupled  `Learner`s + `Syncer` with quorum K, grace window, staleness rule.
+
+diloco and decoupled run as a discrete-event loop on a `ManualClock`: learner m takes
+1 / speed_m virtual seconds per inner step (all 1 by default: lock-step); events at the same
+instant are handled in learner order, and the syncer's merge rule is checked before the clock
+moves on. Every contribution and every global fragment goes through its wire format
+(`to_bytes` / `from_bytes`, with the configured compression for contributions; global
+fragments travel uncompressed), so compression acts on training exactly as in the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer.clock import ManualClock
+from trainer.config import STRATEGIES, TrainConfig
+from trainer.data import Corpus, TokenStream, evaluate
+from trainer.learner import Learner, inner_lr, load_corpus, make_optimizer
+from trainer.models import autocast, build_model, param_count, pick_device
+from trainer.protocol import Contribution, GlobalFragment
+from trainer.syncer import Syncer
+
+Progress = Callable[[dict], None]
+
+
+def _eval_batch_size(config: TrainConfig) -> int:
+    return config.eval_batch_size or max(8, config.batch_size)
+
+
+class _Evaluator:
+    def __init__(self, config: TrainConfig, corpus: Corpus) -> None:
+        self.config = config
+        self.corpus = corpus
+        self.device = pick_device(config.device)
+        self.model = build_model(config.model, config.seq_len, config.seed, vocab_size=corpus.vocab_size)
+        self.model.to(self.device)
+
+    @torch.no_grad()
+    def __call__(self, weights: dict[str, torch.Tensor] | torch.nn.Module) -> float:
+        if isinstance(weights, torch.nn.Module):
+            model = weights
+        else:
+            for n, p in self.model.named_parameters():
+                p.copy_(weights[n])
+            model = self.model
+        return evaluate(
+            model,
+            self.corpus,
+            _eval_batch_size(self.config),
+            self.config.seq_len,
+            batches=self.config.eval_batches,
+            device=self.device,
+        )
+
+
+def _report(
+    config: TrainConfig,
+    strategy: str,
+    params: int,
+    initial: float,
+    final: float,
+    tokens: int,
+    outer_steps: int,
+    bytes_sent: int,
+    t0: float,
+    curve: list,
+    **extra: Any,
+) -> dict:
+    return {
+        "strategy": strategy,
+        "model": config.model,
+        "params": params,
+        "learners": config.learners,
+        "initial_val_loss": initial,
+        "final_val_loss": final,
+        "tokens": tokens,
+        "outer_steps": outer_steps,
+        "bytes_sent": bytes_sent,
+        "wall_s": time.perf_counter() - t0,
+        "val_curve": curve,
+        "config": config.to_dict(),
+        **extra,
+    }
+
+
+def run_single(config: TrainConfig, corpus: Corpus, progress: Progress | None = None) -> dict:
+    t0 = time.perf_counter()
+    ev = _Evaluator(config, corpus)
+    learner = Learner(config, 0, corpus=corpus, num_learners=1, standalone=True)
+    initial = ev(learner.model)
+    curve = [[0, initial]]
+    rounds = 0
+    while not learner.done:
+        learner.step()
+        if learner.inner_steps % config.inner_steps == 0 or learner.done:
+            rounds += 1
+            if rounds % config.eval_every == 0 or learner.done:
+                curve.append([learner.tokens, ev(learner.model)])
+            _emit(
+                progress,
+                strategy="single",
+                round=rounds,
+                tokens=learner.tokens,
+                loss=learner.last_loss,
+                val_loss=curve[-1][1],
+            )
+    final = curve[-1][1] if curve[-1][0] == learner.tokens else ev(learner.model)
+    return _report(
+        config,
+        "single",
+        param_count(learner.model),
+        initial,
+        final,
+        learner.tokens,
+        0,
+        0,
+        t0,
+        curve,
+        inner_steps=learner.inner_steps,
+    )
+
+
+def run_ddp(config: TrainConfig, corpus: Corpus, progress: Progress | None = None) -> dict:
+    t0 = time.perf_counter()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    ev = _Evaluator(config, corpus)
+    device = pick_device(config.device)
+    model = build_model(config.model, config.seq_len, config.seed, vocab_size=corpus.vocab_size).to(device)
+    model.train()
+    opt = make_optimizer(model, config, device)
+    M = config.learners
+    streams = [TokenStream(corpus, m, M, config.batch_size, config.seq_len, config.seed) for m in range(M)]
+    n_params = param_count(model)
+    per_step_bytes = int(2 * (M - 1) * 4 * n_params)
+    initial = ev(model)
+    curve = [[0, initial]]
+    tokens = steps = rounds = 0
+    bytes_sent = 0
+    budget = config.max_tokens
+    while steps < config.steps and not (budget and tokens >= budget):
+        for g in opt.param_groups:
+            g["lr"] = inner_lr(config, steps)
+        batches = [s.next_batch() for s in streams]
+        x = torch.cat([b[0] for b in batches]).to(device)
+        y = torch.cat([b[1] for b in batches]).to(device)
+        with autocast(device, config.bf16):
+            loss = model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps += 1
+        tokens += x.numel()
+        bytes_sent += per_step_bytes
+        if steps % config.inner_steps == 0 or steps == config.steps:
+            rounds += 1
+            if rounds % config.eval_every == 0 or steps == config.steps:
+                curve.append([tokens, ev(model)])
+            _emit(
+                progress,
+                strategy="ddp",
+                round=rounds,
+                tokens=tokens,
+                loss=float(loss.detach()),
+                val_loss=curve[-1][1],
+                bytes_sent=bytes_sent,
+            )
+    final = curve[-1][1] if curve[-1][0] == tokens else ev(model)
+    return _report(
+        config, "ddp", n_params, initial, final, tokens, steps, bytes_sent, t0, curve, inner_steps=steps
+    )
+
+
+def _emit(progress: Progress | None, **event: Any) -> None:
+    if progress is not None:
+        progress(event)
+
+
+class LocalRun:
+    """diloco / decoupled in one process: learners, syncer and a virtual clock.
+
+    `state_dict()` / `load_state_dict()` checkpoint the whole run (every learner, the syncer,
+    the clock and the report so far); `trainer.checkpoint.state_to_bytes` turns it into bytes.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        strategy: str = "decoupled",
+        corpus: Corpus | None = None,
+        speeds: list[float] | None = None,
+        progress: Progress | None = None,
+        job: str = "local",
+    ) -> None:
+        if strategy not in ("diloco", "decoupled"):
+            raise ValueError("LocalRun runs 'diloco' or 'decoupled'")
+        self.strategy = strategy
+        self.config = config
+        self.corpus = corpus if corpus is not None else load_corpus(config)
+        M = config.learners
+        self.speeds = list(speeds) if speeds else [1.0] * M
+        if len(self.speeds) != M or any(not (s > 0 and math.isfinite(s)) for s in self.speeds):
+            raise ValueError(f"speeds: need {M} positive numbers")
+        self.progress = progress
+        self.job = job
+        sync_config = config.replace(quorum=M) if strategy == "diloco" else config
+        self.clock = ManualClock()
+        self.learners = [Learner(config, m, corpus=self.corpus, job=job) for m in range(M)]
+        self.syncer = Syncer(sync_config, self.learners[0].model, self.clock, job=job)
+        self.evaluator = _Evaluator(config, self.corpus)
+        self.next_t = [1.0 / s for s in self.speeds]
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.contributions = 0
+        self.rejected: list[str] = []
+        self.compression_errors: list[float] = []
+        self.curve: list[list[float]] = []
+        self.merges = 0
+        self.wall_before = 0.0
+        self._published: dict[int, bytes] = {}
+        self._expected = [self.syncer.expected_shapes(p) for p in range(len(self.syncer.fragments))]
+        self.initial_val_loss: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(learner.tokens for learner in self.learners)
+
+    @property
+    def P(self) -> int:
+        return len(self.syncer.fragments)
+
+    def _global_blob(self, p: int) -> bytes:
+        version = self.syncer.versions[p]
+        blob = self._published.get(p)
+        if blob is None or GlobalFragment.from_bytes(blob).version != version:
+            blob = self.syncer.global_fragment(p).to_bytes("none")
+            self._published[p] = blob
+        return blob
+
+    def _deliver(self, learner: Learner) -> None:
+        for p in range(self.P):
+            if self.syncer.versions[p] > learner.adopted_versions[p]:
+                blob = self._global_blob(p)
+                self.bytes_down += len(blob)
+                learner.adopt(GlobalFragment.from_bytes(blob, expected=self._expected[p]))
+
+    def _send(self, contributions: list[Contribution]) -> None:
+        for c in contributions:
+            blob = c.to_bytes(self.config.compression)
+            self.bytes_up += len(blob)
+            self.contributions += 1
+            received = Contribution.from_bytes(blob, expected=self._expected[c.fragment])
+            if self.config.compression != "none":
+                num = sum(float((received.tensors[n] - t).pow(2).sum()) for n, t in c.tensors.items())
+                den = sum(float(t.pow(2).sum()) for t in c.tensors.values())
+                self.compression_errors.append(math.sqrt(num / den) if den > 0 else 0.0)
+            result = self.syncer.submit(received)
+            if not result.accepted:
+                self.rejected.append(result.reason)
+
+    def _merge(self, p: int, force: bool = False) -> None:
+        result = self.syncer.merge(p, force=force)
+        self.merges += 1
+        self._published.pop(p, None)
+        if self.merges % self.P == 0:
+            outer = self.merges // self.P
+            done = all(learner.done for learner in self.learners)
+            if outer % self.config.eval_every == 0 or done:
+                self.curve.append([self.tokens, self.evaluator(self.syncer.params)])
+            _emit(
+                self.progress,
+                strategy=self.strategy,
+                outer_step=outer,
+                fragment=p,
+                version=result.version,
+                contributors=len(result.contributors),
+                tokens=self.tokens,
+                loss=sum(learner.last_loss for learner in self.learners) / len(self.learners),
+                val_loss=self.curve[-1][1] if self.curve else None,
+                bytes_sent=self.bytes_up + self.bytes_down,
+                merged_norm=result.merged_norm,
+                time=self.clock.now(),
+            )
+
+    def _merge_due(self) -> None:
+        for p in self.syncer.due():
+            self._merge(p)
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        if self.initial_val_loss is None:
+            self.initial_val_loss = self.evaluator(self.syncer.params)
+            self.curve.append([0, self.initial_val_loss])
+        while True:
+            live = [m for m, learner in enumerate(self.learners) if not learner.done]
+            if not live:
+                break
+            t_next = min(self.next_t[m] for m in live)
+            deadlines = [d for p in range(self.P) if (d := self.syncer.deadline(p)) is not None]
+            if deadlines and min(deadlines) < t_next:
+                self.clock.set(max(self.clock.now(), min(deadlines)))
+                self._merge_due()
+                continue
+            self.clock.set(t_next)
+            for m in live:
+                if self.next_t[m] == t_next:
+                    learner = self.learners[m]
+                    self._deliver(learner)
+                    learner.step()
+                    self._send(learner.due_contributions())
+                    self.next_t[m] += 1.0 / self.speeds[m]
+            self._merge_due()
+        self._finish()
+        self.wall_before += time.perf_counter() - t0
+        return self.report()
+
+    def _finish(self) -> None:
+        """Merge what is pending, let every learner adopt and send its unsent progress, merge again."""
+        for _ in range(2):
+            for p in range(self.P):
+                if self.syncer.pending_count(p):
+                    self._merge(p, force=True)
+            for learner in self.learners:
+                self._deliver(learner)
+            for learner in self.learners:
+                self._send(learner.flush())
+        if not self.curve or self.curve[-1][0] != self.tokens:
+            self.curve.append([self.tokens, self.evaluator(self.syncer.params)])
+
+    def report(self) -> dict:
+        t0 = time.perf_counter() - self.wall_before
+        errors = self.compression_errors
+        return _report(
+            self.config,
+            self.strategy,
+            sum(t.numel() for t in self.syncer.params.values()),
+            self.initial_val_loss,
+            self.curve[-1][1],
+            self.tokens,
+            round(self.merges / self.P),
+            self.bytes_up + self.bytes_down,
+            t0,
+            self.curve,
+            merges=self.merges,
+            contributions=self.contributions,
+            bytes_up=self.bytes_up,
+            bytes_down=self.bytes_down,
+            rejected=len(self.rejected),
+            rejections=dict(self.syncer.rejections),
+            compression=self.config.compression,
+            compression_error_mean=sum(errors) / len(errors) if errors else 0.0,
+            compression_error_max=max(errors) if errors else 0.0,
+            virtual_time_s=self.clock.now(),
+            speeds=self.speeds,
+            inner_steps=[learner.inner_steps for learner in self.learners],
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "clock": self.clock.now(),
+            "next_t": list(self.next_t),
+            "learners": [learner.state_dict() for learner in self.learners],
+            "syncer": self.syncer.state_dict(),
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "contributions": self.contributions,
+            "rejected": list(self.rejected),
+            "compression_errors": list(self.compression_errors),
+            "curve": [list(x) for x in self.curve],
+            "merges": self.merges,
+            "initial_val_loss": self.initial_val_loss,
+            "wall_before": self.wall_before,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["strategy"] != self.strategy:
+            raise ValueError(f"checkpoint of a {state['strategy']} run")
+        self.clock.set(state["clock"])
+        self.next_t = [float(t) for t in state["next_t"]]
+        for learner, s in zip(self.learners, state["learners"], strict=True):
+            learner.load_state_dict(s)
+        self.syncer.load_state_dict(state["syncer"])
+        self.bytes_up, self.bytes_down = int(state["bytes_up"]), int(state["bytes_down"])
+        self.contributions = int(state["contributions"])
+        self.rejected = list(state["rejected"])
+        self.compression_errors = list(state["compression_errors"])
+        self.curve = [list(x) for x in state["curve"]]
+        self.merges = int(state["merges"])
+        self.initial_val_loss = state["initial_val_loss"]
+        self.wall_before = float(state["wall_before"])
+        self._published = {}
+
+    def run_until(self, inner_steps: int) -> None:
+        """Advance until every learner has done `inner_steps` steps (for checkpoint tests)."""
+        steps = self.config.steps
+        self.config.steps = inner_steps
+        for learner in self.learners:
+            learner.config.steps = inner_steps
+        try:
+            t0 = time.perf_counter()
+            if self.initial_val_loss is None:
+                self.initial_val_loss = self.evaluator(self.syncer.params)
+                self.curve.append([0, self.initial_val_loss])
+            while any(not learner.done for learner in self.learners):
+                live = [m for m, learner in enumerate(self.learners) if not learner.done]
+                t_next = min(self.next_t[m] for m in live)
+                self.clock.set(t_next)
+                for m in live:
+                    if self.next_t[m] == t_next:
+                        self._deliver(self.learners[m])
+                        self.learners[m].step()
+                        self._send(self.learners[m].due_contributions())
+                        self.next_t[m] += 1.0 / self.speeds[m]
+                self._merge_due()
+            self.wall_before += time.perf_counter() - t0
+        finally:
+            self.config.steps = steps
+            for learner in self.learners:
+                learner.config.steps = steps
+
+
+def run_local(
+    config: TrainConfig,
+    strategy: str = "decoupled",
+    progress: Progress | None = None,
+    corpus: Corpus | None = None,
+    speeds: list[float] | None = None,
+) -> dict:
+    """Run one strategy in this process and return the JSON report."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    corpus = corpus if corpus is not None else load_corpus(config)
+    if strategy == "single":
+        return run_single(config, corpus, progress)
+    if strategy == "ddp":
+        return run_ddp(config, corpus, progress)
+    return LocalRun(config, strategy, corpus=corpus, speeds=speeds, progress=progress).run()
