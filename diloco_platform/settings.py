@@ -94,6 +94,11 @@ DATABASES["default"]["ATOMIC_REQUESTS"] = False
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Several processes (web, workers) share the file in the embedded default.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 30
+    # Take the write lock at BEGIN: a deferred transaction that upgrades from read to write
+    # gets "database is locked" at once, without waiting for the timeout. WAL lets readers
+    # and the writer overlap.
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
+    DATABASES["default"]["OPTIONS"]["init_command"] = "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
@@ -112,6 +117,7 @@ if REDIS_URL:
 else:
     # Embedded default: a broker that needs no server (polls a folder, ~1 s latency).
     CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT = "diloco_platform.fs_broker:Transport"  # atomic message writes
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "out"),
         "data_folder_out": str(BROKER_DIR / "out"),
@@ -203,6 +209,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Fleets, jobs, learners and metrics of the Decoupled DiLoCo platform.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "apps.api.schema.add_error_responses",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "PoolStateEnum": "apps.inventory.models.Pool.State",
         "NodeStateEnum": "apps.inventory.models.Node.State",

@@ -16,12 +16,19 @@ class StrictSerializerMixin:
     """Refuse fields the serializer does not know instead of silently dropping them."""
 
     def to_internal_value(self, data):
+        unknown = {}
         if isinstance(data, dict):
             known = {name for name, f in self.fields.items() if not f.read_only}
-            unknown = sorted(str(k) for k in data if k not in known)
-            if unknown:
-                raise serializers.ValidationError({k: ["Unknown field."] for k in unknown})
-        return super().to_internal_value(data)
+            unknown = {str(k)[:100]: ["Unknown field."] for k in sorted(data, key=str) if k not in known}
+        try:
+            value = super().to_internal_value(data)
+        except serializers.ValidationError as exc:
+            if unknown and isinstance(exc.detail, dict):
+                raise serializers.ValidationError({**exc.detail, **unknown}) from None
+            raise
+        if unknown:
+            raise serializers.ValidationError(unknown)
+        return value
 
 
 # --- inventory -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ v1 = [
     path("auth/token/", auth.ObtainTokenView.as_view(), name="auth-token"),
     path("auth/me/", auth.MeView.as_view(), name="auth-me"),
     path("agent/assignments/", agent.AssignmentListView.as_view(), name="agent-assignments"),
-    re_path(r"^agent/jobs/(?P<job_id>[0-9]{1,18})/learners/(?P<index>[0-9]{1,4})/$",
+    re_path(r"^agent/jobs/(?P<job_id>[0-9]+)/learners/(?P<index>[0-9]+)/$",
             agent.AssignmentView.as_view(), name="agent-assignment"),
     path("", include(router.urls)),
 ]

@@ -62,7 +62,7 @@ class ApiTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.D
     serializer_class = s.ApiTokenSerializer
     permission_classes = [IsPerson]
     pagination_class = None
-    lookup_value_regex = r"[0-9]{1,18}"
+    lookup_value_regex = r"[0-9]+"
 
     def get_queryset(self):
         qs = ApiToken.objects.filter(user=self.request.user)

@@ -47,7 +47,7 @@ class CheckpointViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.CheckpointSerializer
     permission_classes = [IsPerson]
     pagination_class = BoundedLimitOffsetPagination
-    lookup_value_regex = r"[0-9]{1,18}"
+    lookup_value_regex = r"[0-9]+"
 
     def get_queryset(self):
         qs = Checkpoint.objects.select_related("job")

@@ -101,6 +101,7 @@ class NodeViewSet(SafeQueryMixin, viewsets.ModelViewSet):
 
     serializer_class = s.NodeSerializer
     permission_classes = [IsStaffOrReadOnly]
+    lookup_value_regex = r"[0-9]+"
     filter_backends = [filters.SearchFilter]
     search_fields = ["hostname", "worker_name"]
 

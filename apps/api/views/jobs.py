@@ -12,6 +12,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from apps.jobs import services
+from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
 from apps.jobs.spec import SpecError, validate_spec
 
@@ -56,7 +57,7 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
 
     permission_classes = [IsPerson]
     pagination_class = BoundedLimitOffsetPagination
-    lookup_value_regex = r"[0-9]{1,18}"
+    lookup_value_regex = r"[0-9]+"
 
     def get_queryset(self):
         return visible_jobs(self.request.user)
@@ -172,6 +173,9 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
     @action(detail=True, methods=["post"])
     def resume(self, request, pk=None):
         """Resume a paused job (409 when not paused)."""
+        job = self.get_object()
+        if job.status != st.PAUSED:
+            raise Conflict(f"Only a paused job can be resumed; job {job.pk} is {job.status}.")
         return self._act(services.resume_job)
 
     @extend_schema(responses=s.LearnerSerializer(many=True))
@@ -256,7 +260,7 @@ class EventViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.EventSerializer
     permission_classes = [IsPerson]
     pagination_class = BoundedLimitOffsetPagination
-    lookup_value_regex = r"[0-9]{1,18}"
+    lookup_value_regex = r"[0-9]+"
 
     def get_queryset(self):
         qs = Event.objects.all()
@@ -280,7 +284,7 @@ class IncidentViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
     serializer_class = s.IncidentSerializer
     permission_classes = [IsPerson]
     pagination_class = BoundedLimitOffsetPagination
-    lookup_value_regex = r"[0-9]{1,18}"
+    lookup_value_regex = r"[0-9]+"
 
     def get_queryset(self):
         qs = Incident.objects.select_related("learner", "pool")

@@ -1,0 +1,64 @@
+"""Worker endpoints: a pool token acts only for learners placed on its own pool."""
+from __future__ import annotations
+
+import pytest
+
+from apps.inventory.models import PoolToken
+from apps.jobs.models import Learner
+
+from .conftest import client_for, make_job
+
+pytestmark = pytest.mark.django_db
+
+
+def url(job, i):
+    return f"/api/v1/agent/jobs/{job.pk}/learners/{i}/"
+
+
+def test_right_pool_reads_its_assignment(alice_job, token_a):
+    r = client_for(token=token_a).get(url(alice_job, 1))
+    assert r.status_code == 200, r.content
+    body = r.json()
+    assert body["job"] == alice_job.pk and body["index"] == 1 and body["pool"] == "pool-a"
+    assert body["work_size"] == 20 and body["spec"]["learners"] == 2 and body["job_status"] == "running"
+
+
+def test_wrong_pool_is_refused(alice_job, token_b):
+    r = client_for(token=token_b).get(url(alice_job, 0))
+    assert r.status_code == 403
+    assert "pool-b" in r.json()["detail"]
+
+
+def test_job_the_pool_does_not_serve(alice, alice_job, pool_a, pool_b, token_a, token_b):
+    mixed = make_job(alice, pool=pool_a)
+    Learner.objects.filter(job=mixed, index=1).update(pool=pool_b)
+    assert client_for(token=token_a).get(url(mixed, 0)).status_code == 200
+    assert client_for(token=token_a).get(url(mixed, 1)).status_code == 403
+    assert client_for(token=token_b).get(url(mixed, 1)).status_code == 200
+    assert client_for(token=token_a).get(url(mixed, 7)).status_code == 403  # no such learner
+    assert client_for(token=token_a).get(f"/api/v1/agent/jobs/{10**12}/learners/0/").status_code == 404
+
+
+def test_terminal_job_has_no_assignment(alice, pool_a, token_a):
+    done = make_job(alice, status="completed", pool=pool_a)
+    assert client_for(token=token_a).get(url(done, 0)).status_code == 403
+
+
+def test_people_and_revoked_tokens_cannot_act_as_workers(alice_job, as_alice, as_staff, anon, pool_a):
+    assert as_alice.get(url(alice_job, 0)).status_code == 401  # a personal token is no pool token
+    assert as_staff.get(url(alice_job, 0)).status_code == 401
+    assert anon.get(url(alice_job, 0)).status_code == 401
+    tok, raw = PoolToken.issue(pool_a)
+    from django.utils import timezone
+
+    PoolToken.objects.filter(pk=tok.pk).update(revoked_at=timezone.now())
+    assert client_for(token=raw).get(url(alice_job, 0)).status_code == 401
+
+
+def test_assignment_list_is_scoped(alice, bob, alice_job, pool_a, pool_b, token_a, token_b):
+    make_job(bob, pool=pool_b, learners=1)
+    make_job(alice, status="cancelled", pool=pool_a)
+    rows = client_for(token=token_a).get("/api/v1/agent/assignments/").json()
+    assert [(r["job"], r["index"]) for r in rows] == [(alice_job.pk, 0), (alice_job.pk, 1)]
+    rows = client_for(token=token_b).get("/api/v1/agent/assignments/").json()
+    assert [r["pool"] for r in rows] == ["pool-b"]
