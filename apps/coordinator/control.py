@@ -12,7 +12,7 @@ from datetime import timedelta
 from django.db import transaction
 from django.db.models import Q
 
-from apps.inventory.models import Pool
+from apps.inventory.models import Node, Pool
 from apps.jobs import state as st
 from apps.jobs.models import Event, Incident, Job, Learner
 
@@ -171,6 +171,7 @@ def watchdog() -> dict:
             out["lost"] += 1
     for job in Job.objects.filter(status__in=ACTIVE):
         if job.status == st.RUNNING:
+            out["drained"] = out.get("drained", 0) + drain(job)
             out["redispatched"] += dispatch_pending(job)
             ensure_syncer(job)
         else:
@@ -183,6 +184,33 @@ def watchdog() -> dict:
     return out
 
 
+def drain(job: Job) -> int:
+    """Learners on pools (or nodes) that are draining or disabled checkpoint and move off."""
+    n = 0
+    off = Learner.objects.select_related("pool", "node", "runtime").filter(
+        job=job, state=Learner.State.RUNNING).filter(
+        ~Q(pool__state=Pool.State.ACTIVE) | Q(node__state=Node.State.DRAINING))
+    for lr in off:
+        rt = getattr(lr, "runtime", None)
+        if rt is not None and rt.move_reason.startswith("drain") and rt.move_to_id:
+            continue
+        what = f"pool {lr.pool.slug} is {lr.pool.state}" if lr.pool.state != Pool.State.ACTIVE \
+            else f"node {lr.node.worker_name} is draining"
+        avoid = {lr.pool.slug} if lr.pool.state != Pool.State.ACTIVE else set()
+        target = choose_pool(lr, avoid=avoid)
+        if target is None and rt is not None and rt.move_reason.startswith("drain"):
+            continue  # still no free slot; already told
+        LearnerRuntime.objects.update_or_create(learner=lr, defaults={"move_to": target,
+                                                                     "move_reason": f"drain: {what}"})
+        event(job, Event.Kind.DRAINED,
+              f"learner {lr.index} leaves {lr.pool.slug} ({what})"
+              + (f" for {target.slug}" if target else ", waiting for a free slot"),
+              {"learner": lr.index, "from": lr.pool.slug, "to": target.slug if target else None,
+               "reason": what}, pool=lr.pool)
+        n += 1
+    return n
+
+
 def lose_learner(learner: Learner, t) -> bool:
     """Mark `learner` lost (if it still is the incarnation we looked at) and queue its successor."""
     with transaction.atomic():
@@ -191,19 +219,15 @@ def lose_learner(learner: Learner, t) -> bool:
         if not n:
             return False
         rt = LearnerRuntime.objects.filter(learner=learner).first()
-        point = (rt.resume_point or {}) if rt else {}
         was_running = learner.state == Learner.State.RUNNING
-        lost_tokens = max(0, learner.tokens - int(point.get("tokens", 0))) if was_running else 0
         failed_at = learner.last_heartbeat or (rt.dispatched_at if rt and rt.dispatched_at else t)
         Incident.objects.create(
             job=learner.job, learner=learner, pool=learner.pool, kind="learner_lost", failed_at=failed_at,
-            detected_at=t, tokens_lost=lost_tokens,
+            detected_at=t,  # tokens_lost is filled in when the successor says where it resumes
             description=f"learner {learner.index}.{learner.incarnation} on {learner.pool} "
                         f"{'missed heartbeats' if was_running else 'never started'}",
             details={"incarnation": learner.incarnation, "worker": rt.worker if rt else "",
                      "node": learner.node_id, "state": learner.state})
-        if rt:
-            LearnerRuntime.objects.filter(pk=rt.pk).update(tokens_lost=rt.tokens_lost + lost_tokens)
     mark_node_lost(learner.node_id, f"learner {learner.index} of job {learner.job_id} lost")
     event(learner.job, Event.Kind.FAILED,
           f"learner {learner.index}.{learner.incarnation} lost on {learner.pool}",
@@ -220,25 +244,10 @@ def rebalance() -> dict:
 
     from .dispatch import model_figures, pool_infos
 
-    out = {"resized": 0, "moves": 0, "drained": 0}
+    out = {"resized": 0, "moves": 0}
     for job in Job.objects.filter(status=st.RUNNING):
         spec = job_spec(job)
         learners = list(job.learners.select_related("pool", "runtime").filter(state__in=BUSY))
-        # 1. drain: learners on pools that are no longer active move off (checkpoint + hand-off)
-        for lr in learners:
-            if lr.pool and lr.pool.state != Pool.State.ACTIVE and lr.state == Learner.State.RUNNING:
-                rt = getattr(lr, "runtime", None)
-                if rt is not None and rt.move_reason.startswith("drain"):
-                    continue
-                target = choose_pool(lr, avoid={lr.pool.slug})
-                LearnerRuntime.objects.update_or_create(learner=lr, defaults={
-                    "move_to": target, "move_reason": f"drain of {lr.pool.slug} ({lr.pool.state})"})
-                event(job, Event.Kind.DRAINED,
-                      f"learner {lr.index} leaves {lr.pool.slug} ({lr.pool.state})"
-                      + (f" for {target.slug}" if target else ", waiting for a free slot"),
-                      {"learner": lr.index, "from": lr.pool.slug, "to": target.slug if target else None},
-                      pool=lr.pool)
-                out["drained"] += 1
         # 2. DyLU: work sizes from measured tokens/s so contributions arrive together
         running = [lr for lr in learners if lr.state == Learner.State.RUNNING and lr.tokens_per_s]
         if len(running) >= 2:

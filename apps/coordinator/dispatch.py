@@ -22,12 +22,19 @@ BUSY = (Learner.State.STARTING, Learner.State.RUNNING)
 
 
 def pool_capacity(pool: Pool) -> int:
-    nodes = list(Node.objects.filter(pool=pool))
+    """Learner slots of a pool: its declared devices while at least one of its nodes is live.
+
+    Nodes report GPUs they detect, but on CPU pools a node's slots are its worker processes,
+    which the node table does not know; so the pool's declared device_count is the capacity
+    and node liveness only switches it on or off. A pool whose every node is lost, offline
+    or silent gets nothing; a pool with no registered node yet is trusted.
+    """
+    nodes = list(Node.objects.filter(pool=pool).values_list("state", "last_seen"))
     if not nodes:
         return pool.device_count
     fresh = now() - timedelta(seconds=node_timeout())
-    live = [n for n in nodes if n.state in (Node.State.ONLINE,) and n.last_seen >= fresh]
-    return min(pool.device_count, sum(max(1, n.device_count) for n in live))
+    live = [1 for state, seen in nodes if state == Node.State.ONLINE and seen >= fresh]
+    return pool.device_count if live else 0
 
 
 def free_slots(exclude_learner: Learner | None = None) -> dict[str, int]:

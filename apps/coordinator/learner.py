@@ -63,8 +63,20 @@ class DjangoHost:
         self.beats = 0
 
     def resumed(self, point: dict) -> None:
+        """Record where this incarnation resumes; the work of the previous one past that point is lost."""
+        resume = int(point.get("tokens", 0))
         LearnerRuntime.objects.filter(learner_id=self.learner_id).update(resume_point=point, updated_at=now())
-        self.last_tokens = int(point.get("tokens", 0))
+        last_reported = Learner.objects.filter(pk=self.learner_id) \
+            .values_list("tokens", flat=True).first() or 0
+        lost = max(0, int(last_reported) - resume)
+        if lost:
+            inc = Incident.objects.filter(learner_id=self.learner_id, healed_at__isnull=True) \
+                .order_by("-detected_at").first()
+            if inc is not None:
+                Incident.objects.filter(pk=inc.pk).update(tokens_lost=lost)
+            LearnerRuntime.objects.filter(learner_id=self.learner_id).update(
+                tokens_lost=F("tokens_lost") + lost)
+        self.last_tokens = resume
 
     def heartbeat(self, stats: dict) -> Control:
         t = now()
