@@ -9,7 +9,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from datetime import datetime
 
-from django.db.models import Avg, Case, Count, F, IntegerField, Max, Min, Q, QuerySet, Sum, Value, When
+from django.db import connection, transaction
+from django.db.models import Count, Max, Min, Q, QuerySet, Sum
 from django.utils import timezone
 
 from apps.inventory.models import Node, Pool
@@ -30,13 +31,15 @@ def visible_jobs(user) -> QuerySet[Job]:
 def downsample(job_ids: Iterable[int], names: Iterable[str], buckets: int = 200) -> dict:
     """{job_id: {name: [(tokens, unix_time, value), ...]}} with at most `buckets` points per series.
 
-    Two queries in all: the step range of each job, then one GROUP BY over
-    (job, name, bucket) where the bucket is the point's position in its job's step range.
-    A bucket's value is the mean of its points; for SUMMED series the mean times the
-    number of distinct learners reporting in the bucket (a per-learner rate becomes the
-    job's rate).
+    Two queries in all, whatever the number of points: the step (token) range of each job,
+    then one aggregate where a point's bucket is its position in its job's step range.
+    Inside a bucket each learner's points are averaged first; then a SUMMED series adds
+    the learners up (per-learner tokens/s become the job's tokens/s) and the others take
+    the mean over learners. Both levels are hash aggregates (no sort, no DISTINCT), so
+    100k points of one job aggregate in tens of milliseconds.
     """
-    job_ids, names = list(job_ids), list(names)
+    job_ids = [int(j) for j in job_ids]
+    names = list(names)
     out: dict[int, dict[str, list[tuple[int, float, float]]]] = {j: {} for j in job_ids}
     if not job_ids or not names:
         return out
@@ -47,22 +50,42 @@ def downsample(job_ids: Iterable[int], names: Iterable[str], buckets: int = 200)
     }
     if not ranges:
         return out
-    whens = [
-        When(job_id=jid, then=(F("step") - Value(lo)) * Value(buckets - 1) / Value(max(hi - lo, 1)))
-        for jid, (lo, hi) in ranges.items()
-    ]
-    rows = (
-        base.annotate(bucket=Case(*whens, default=Value(0), output_field=IntegerField()))
-        .values("job_id", "name", "bucket")
-        .annotate(x=Avg("step"), t=Max("time"), y=Avg("value"),
-                  n=Count("learner_id", distinct=True), anon=Count("id", filter=Q(learner_id=None)))
-        .order_by("job_id", "name", "bucket")
-    )
-    for r in rows:
-        y = r["y"]
-        if r["name"] in SUMMED and r["n"] > 1 and not r["anon"]:
-            y = y * r["n"]
-        out[r["job_id"]].setdefault(r["name"], []).append((int(r["x"]), r["t"].timestamp(), y))
+    table = MetricPoint._meta.db_table
+    qn = connection.ops.quote_name
+    case_sql, params = [], []
+    for jid, (lo, hi) in ranges.items():
+        case_sql.append("WHEN %s THEN (step - %s) * %s / %s")
+        params += [jid, lo, buckets - 1, max(hi - lo, 1)]
+    # epoch seconds of the bucket's last point, converted once per bucket (not per row)
+    epoch = ("EXTRACT(EPOCH FROM MAX(t))" if connection.vendor == "postgresql"
+             else "CAST(strftime('%%s', MAX(t)) AS REAL)" if connection.vendor == "sqlite"
+             else "UNIX_TIMESTAMP(MAX(t))")
+    jobs_in = ", ".join(["%s"] * len(ranges))
+    names_in = ", ".join(["%s"] * len(names))
+    # Only %s placeholders and quoted identifiers are formatted into the text.
+    sql = f"""
+        SELECT job_id, name, bucket, AVG(x), {epoch}, AVG(y), SUM(y)
+        FROM (
+            SELECT job_id, name, learner_id, CASE job_id {' '.join(case_sql)} ELSE 0 END AS bucket,
+                   AVG(step) AS x, MAX({qn("time")}) AS t, AVG(value) AS y
+            FROM {qn(table)}
+            WHERE job_id IN ({jobs_in}) AND name IN ({names_in})
+            GROUP BY job_id, name, learner_id, bucket
+        ) per_learner
+        GROUP BY job_id, name, bucket
+        ORDER BY job_id, name, bucket
+    """  # noqa: S608
+    params += list(ranges) + names
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        if connection.vendor == "postgresql":
+            # The planner cannot estimate the bucket count and would sort 100k rows on disk
+            # under the default 4 MB; a little more memory for this one query keeps it a
+            # hash aggregate (or an in-memory sort). SET LOCAL ends with the transaction.
+            cur.execute("SET LOCAL work_mem = '64MB'")
+        cur.execute(sql, params)
+        for job_id, name, _bucket, x, t, mean, total in cur.fetchall():
+            y = total if name in SUMMED else mean
+            out[job_id].setdefault(name, []).append((int(x), float(t), float(y)))
     return out
 
 

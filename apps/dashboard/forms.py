@@ -37,7 +37,12 @@ def _unwrap(annotation: Any) -> tuple[Any, bool]:
 
 
 def _label(name: str) -> str:
-    return name.replace("_", " ").capitalize().replace("Lr", "LR").replace(" s", " (s)")
+    words = name.split("_")
+    unit = ""
+    if words[-1] == "s" and len(words) > 1:
+        words, unit = words[:-1], " (s)"
+    text = " ".join("LR" if w == "lr" else w for w in words)
+    return text[:1].upper() + text[1:] + unit
 
 
 def _field_for(name: str, info, pools: list[Pool]) -> forms.Field:

@@ -192,7 +192,7 @@ def _empty_health() -> dict:
     return {"n": 0, "norm": 0.0, "cos": 0.0, "ncos": 0, "last_norm": None, "last_cos": None}
 
 
-def _contribution_health(job: Job, learners: list[Learner]) -> list[dict]:
+def _contribution_health(job: Job, learners: list[Learner]) -> tuple[list[dict], int]:
     steps = list(OuterStep.objects.filter(job=job).order_by("-created_at")
                  .values_list("contributors", flat=True)[:OUTER_STEPS_FOR_HEALTH])
     acc: dict[int, dict] = defaultdict(_empty_health)
@@ -221,7 +221,7 @@ def _contribution_health(job: Job, learners: list[Learner]) -> list[dict]:
             "rejected": lr.rejected_contributions,
             "healthy": (mean_cos is None or mean_cos > 0) and lr.rejected_contributions <= a["n"],
         })
-    return rows
+    return rows, len(steps)
 
 
 def _timeline(job: Job) -> list[dict]:
@@ -251,12 +251,14 @@ def job_detail(request, pk):
     series = data.downsample([job.pk], data.CHART_SERIES, JOB_CHART_BUCKETS)[job.pk]
     chart_data = {name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()}
     pools_here = sorted({lr.pool for lr in learners if lr.pool is not None}, key=lambda p: p.slug)
+    health, health_steps = _contribution_health(job, learners)
     goodput = job.tokens_contributed / job.tokens_computed if job.tokens_computed else None
     return render(request, "dashboard/job.html", {
         "job": job,
         "spec": job.spec,
         "learners": learners,
-        "health": _contribution_health(job, learners),
+        "health": health,
+        "health_steps": health_steps,
         "timeline": _timeline(job),
         "checkpoints": list(job.checkpoints.order_by("-version")[:50]),
         "chart_data": chart_data,

@@ -45,6 +45,13 @@ function addPoint(p) {
   // keep time order (points of several learners interleave)
   let i = s.time.length;
   while (i > 0 && s.time[i - 1] > t) i -= 1;
+  if (i > 0 && s.time[i - 1] === t) {
+    // same instant from another learner: a summed series now holds the new total, the
+    // others the mean of the two (uPlot needs distinct x values)
+    s.value[i - 1] = SUMMED.has(name) ? value : (s.value[i - 1] + value) / 2;
+    livePoints += 1;
+    return;
+  }
   s.tokens.splice(i, 0, Number(p.step) || 0);
   s.time.splice(i, 0, t);
   s.value.splice(i, 0, value);
@@ -95,13 +102,26 @@ function makeChart(elId, names, xKey, opts = {}) {
   ];
   if (opts.rightAxis) axes.push(axis({ scale: opts.rightAxis, side: 1, size: 70, grid: { show: false },
                                         values: (u, vals) => vals.map((v) => fmtBytes(v)) }));
+  // One x value would give uPlot a zero-width range: pad it (30 s of time, or 1 k tokens).
+  const pad = xKey === "time" ? 30 : 1000;
+  const xRange = (u, min, max) => {
+    if (min === null || max === null) {
+      const c = xKey === "time" ? Date.now() / 1000 : 0;
+      return [c - pad, c + pad];
+    }
+    return min === max ? [min - pad, max + pad] : [min, max];
+  };
   const u = new uPlot({
     width: Math.max(240, el.clientWidth), height: 220, series: seriesOpts, axes,
-    scales: { x: { time: xKey === "time" } },
+    scales: { x: { time: xKey === "time", range: xRange } },
     legend: { live: true },
     cursor: { drag: { x: true, y: false } },
   }, join(names, xKey), el);
-  charts.push({ u, el, names, xKey });
+  const empty = document.createElement("div");
+  empty.className = "nodata";
+  empty.textContent = "no data yet";
+  el.parentElement.append(empty);
+  charts.push({ u, el, names, xKey, empty });
 }
 
 makeChart("chart-loss-tokens", ["train_loss", "val_loss"], "tokens");
@@ -120,7 +140,11 @@ function redraw() {
   redrawQueued = true;
   requestAnimationFrame(() => {
     redrawQueued = false;
-    for (const c of charts) c.u.setData(join(c.names, c.xKey));
+    for (const c of charts) {
+      c.u.setData(join(c.names, c.xKey));
+      c.empty.hidden = c.names.some((n) => series[n] && series[n].value.length);
+      c.el.dataset.points = String(c.names.reduce((a, n) => a + (series[n] ? series[n].value.length : 0), 0));
+    }
     document.getElementById("live-points").textContent = String(livePoints);
     const tps = series.tokens_per_s;
     if (tps && tps.value.length) document.getElementById("kpi-tokens-per-s").textContent = fmtSI(tps.value.at(-1));
@@ -171,6 +195,14 @@ function onLearner(msg) {
     if (td) td.textContent = text;
   };
   if (msg.node !== undefined) set("node", msg.node_hostname || msg.node || "—");
+  const poolTd = row.children[1];
+  if (msg.pool && poolTd && poolTd.dataset.pool !== msg.pool && !poolTd.textContent.includes(msg.pool)) {
+    const a = document.createElement("a");
+    a.href = `/fleet/${encodeURIComponent(msg.pool)}/`;
+    a.textContent = msg.pool;
+    poolTd.replaceChildren(a);
+    poolTd.dataset.pool = msg.pool;
+  }
   for (const f of ["incarnation", "work_size", "staleness"]) if (msg[f] !== undefined) set(f, String(msg[f]));
   if (msg.tokens !== undefined) set("tokens", fmtSI(msg.tokens));
   if (msg.tokens_per_s !== undefined) set("tokens_per_s", fmtSI(msg.tokens_per_s));

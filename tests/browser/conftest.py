@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,6 +109,15 @@ class LiveServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=5)
 
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop the server (SIGKILL, like a crash), stay down `down_s`, start it on the same port."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+        time.sleep(down_s)
+        self.start()
+
     def tail(self, lines: int = 40) -> str:
         if not self.log.exists():
             return ""
@@ -133,11 +143,18 @@ def dash(page, live, request):
     """A Playwright page that fails the test on any console error or page error, and
     saves a screenshot under test-artifacts/ at the end."""
     errors: list[str] = []
-    page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    allowed: list[re.Pattern] = []  # a test that stops the server expects failed reconnects
+
+    def on_console(m) -> None:
+        if m.type == "error" and not any(p.search(m.text) for p in allowed):
+            errors.append(f"console.{m.type}: {m.text}")
+
+    page.on("console", on_console)
     page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
     page.set_default_timeout(15_000)
     page.live = live
     page.console_errors = errors
+    page.allowed_console_errors = allowed
     yield page
     ARTIFACTS.mkdir(exist_ok=True)
     with contextlib.suppress(Exception):

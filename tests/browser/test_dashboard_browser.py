@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import re
 import time
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 from playwright.sync_api import expect
 
 from apps.dashboard.seeding import seed_fleet
@@ -191,3 +193,36 @@ def test_overview_jobs_list_and_narrow_width(dash, alice, fleet):
     bg = dash.evaluate("getComputedStyle(document.body).backgroundColor")
     assert bg == "rgb(17, 19, 24)"
     assert dash.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+
+
+def test_reconnects_after_server_restart(dash, alice, fleet):
+    live = dash.live
+    pool = fleet["v100-lab"]
+    _, token = PoolToken.issue(pool)
+    job = Job.objects.create(owner=alice, name="survivor", status="running",
+                             spec={"name": "survivor", "learners": 1})
+    learner = Learner.objects.create(job=job, index=0, pool=pool, state="running", incarnation=1)
+    login(dash, live, "alice", "pw-alice-123")
+    dash.goto(f"{live.url}/jobs/{job.pk}/")
+    indicator = dash.locator("#live")
+    expect(indicator).to_have_text("live")
+    expect(dash.locator("#chart-loss-time")).to_have_attribute("data-points", "0")
+    dash.evaluate("window.__sameDocument = true")
+
+    # the server dies: the indicator must stop claiming "live" (failed reconnects are expected)
+    dash.allowed_console_errors.append(re.compile(r"WebSocket connection to .* failed"))
+    live.restart(down_s=1.5)
+    expect(indicator).to_have_attribute("data-state", "reconnecting")
+    # ... and points stored while the page was away (another web process) are fetched on reconnect
+    now = timezone.now()
+    MetricPoint.objects.bulk_create([
+        MetricPoint(job=job, learner=learner, name="train_loss", step=1000 * (i + 1), value=3.0 - 0.1 * i,
+                    time=now - timedelta(seconds=10 - i)) for i in range(5)])
+    expect(indicator).to_have_text("live", timeout=30_000)
+    expect(dash.locator("#chart-loss-time")).to_have_attribute("data-points", "5")
+    # live points flow again on the new connection
+    replies = _agent_send(live, token, [{"type": "metrics", "job": job.pk, "points": [
+        {"learner": 0, "name": "train_loss", "step": 6000, "value": 2.4, "time": time.time()}]}])
+    assert not [r for r in replies if r.get("type") == "error"], replies
+    expect(dash.locator("#chart-loss-time")).to_have_attribute("data-points", "6")
+    assert dash.evaluate("window.__sameDocument") is True

@@ -100,9 +100,9 @@ def test_query_counts_stay_bounded(client, staff_user, django_assert_max_num_que
     jobs = seed_jobs(staff_user, jobs=12, points=6000, learners=3)
     running = next(j for j in jobs if j.status == "running")
     client.force_login(staff_user)
-    for url, limit in [("/", 12), ("/fleet/", 6), ("/fleet/h100-east/", 9), ("/jobs/", 6),
+    for url, limit in [("/", 13), ("/fleet/", 6), ("/fleet/h100-east/", 9), ("/jobs/", 6),
                        ("/jobs/?status=running&q=bench", 6), ("/jobs/new", 4),
-                       (f"/jobs/{running.pk}/", 11), (f"/jobs/{running.pk}/series.json", 5)]:
+                       (f"/jobs/{running.pk}/", 12), (f"/jobs/{running.pk}/series.json", 6)]:
         with django_assert_max_num_queries(limit):
             assert client.get(url).status_code == 200, url
 
