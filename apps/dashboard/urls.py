@@ -7,6 +7,7 @@ app_name = "dashboard"
 urlpatterns = [
     path("", views.overview, name="overview"),
     path("fleet/", views.fleet, name="fleet"),
+    path("fleet/live.json", views.fleet_live, name="fleet-live"),
     path("fleet/<slug:slug>/", views.pool_detail, name="pool"),
     path("fleet/<slug:slug>/drain", views.pool_drain, name="pool-drain"),
     path("jobs/", views.job_list, name="jobs"),

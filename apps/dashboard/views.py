@@ -86,6 +86,18 @@ def fleet(request):
 
 
 @login_required
+def fleet_live(request):
+    """Live figures of every pool (fleet pages refresh them when /ws/fleet/ reports a change)."""
+    rows = data.pool_rows()
+    return JsonResponse({"pools": [{
+        "id": r["pool"].pk, "slug": r["pool"].slug, "state": r["pool"].state,
+        "state_display": r["pool"].get_state_display(), "utilisation": r["utilisation"], "busy": r["busy"],
+        "tokens_per_s": r["tokens_per_s"], "watts": r["watts"], "nodes_online": r["nodes_online"],
+        "nodes_total": r["nodes_total"],
+    } for r in rows]})
+
+
+@login_required
 def pool_detail(request, slug):
     pool = get_object_or_404(Pool.objects.select_related("accelerator"), slug=slug)
     learners = Learner.objects.filter(pool=pool).exclude(

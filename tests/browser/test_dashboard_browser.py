@@ -164,6 +164,22 @@ def test_fleet_page_reflects_drained_pool_live(dash, staff_user, alice, fleet, c
     # the first tab follows over /ws/fleet/, no reload
     expect(row.locator('[data-field="state"]')).to_have_text("Draining")
     assert dash.evaluate("window.__sameDocument") is True
+
+    # a second learner starts on the pool; its worker's heartbeat touches the node, the
+    # fleet socket says so, and the page refreshes the pool's live figures
+    Learner.objects.create(job=job, index=1, pool=pool, state="running", incarnation=1)
+    _, token = PoolToken.issue(pool)
+    replies = _agent_send(live, token, [
+        {"type": "hello", "worker": "a100-west@node1", "pool": "a100-west"},
+        {"type": "heartbeat", "job": job.pk, "learner": 1, "incarnation": 1, "step": 5, "tokens": 1000,
+         "loss": 3.5, "tokens_per_s": 2000.0, "util": 0.9, "power_w": None, "staleness": 0,
+         "time": time.time()},
+    ])
+    assert not [r for r in replies if r.get("type") == "error"], replies
+    expect(row.locator('[data-field="utilisation"]')).to_have_text("25 %")  # 2 of 8 devices busy
+    expect(row.locator('[data-field="busy"]')).to_have_text("(2 busy)")
+    assert dash.evaluate("window.__sameDocument") is True
+    dash.screenshot(path="test-artifacts/fleet_live.png", full_page=True)
     assert Pool.objects.get(slug="a100-west").state == "draining"
     dash.goto(f"{live.url}/fleet/a100-west/")
     expect(dash.get_by_role("button", name="Re-activate pool")).to_be_visible()

@@ -152,3 +152,13 @@ def test_bench_command_runs_and_rolls_back(tmp_path, capsys):
     assert all(p["status"] == 200 and p["median_ms"] > 0 and p["queries"] > 0 for p in report["pages"])
     assert "median ms" in capsys.readouterr().out
     assert MetricPoint.objects.count() == 0  # rolled back
+
+
+@pytest.mark.django_db
+def test_fleet_live_json(client, alice, job_factory, fleet):
+    job_factory(alice, learners=2, pools=[fleet["v100-lab"]])
+    client.force_login(alice)
+    body = client.get("/fleet/live.json").json()
+    v100 = next(p for p in body["pools"] if p["slug"] == "v100-lab")
+    assert v100["busy"] == 2 and v100["utilisation"] == 0.5 and v100["tokens_per_s"] == 3000.0
+    assert v100["state"] == "active" and v100["nodes_total"] == 1
