@@ -225,9 +225,11 @@ class TelemetryClient:
         while not self._stop.is_set():
             headers = {"Authorization": f"Bearer {self._token}"}
             try:
-                ws = connect(self.url, additional_headers=headers, open_timeout=self.connect_timeout,
-                             proxy=None, compression=None, max_size=2**22, close_timeout=1.0,
-                             ping_interval=20, ping_timeout=20)
+                conn = connect(self.url, additional_headers=headers, open_timeout=self.connect_timeout,
+                               proxy=None, compression=None, max_size=2**22, close_timeout=1.0,
+                               ping_interval=20, ping_timeout=20)
+                # The context-manager protocol (closed below): the non-legacy use on websockets >= 17.
+                ws = conn.__enter__()
             except InvalidStatus as exc:
                 self.last_error = f"handshake refused: HTTP {exc.response.status_code}"
             except Exception as exc:

@@ -5,7 +5,8 @@ per message. Every `TELEMETRY_FLUSH_INTERVAL_S` (or as soon as `TELEMETRY_FLUSH_
 items wait) one flush, in one transaction:
 
 - heartbeats, coalesced to the newest per learner, become one `bulk_update` of Learner rows,
-  fenced by incarnation (a zombie of an old incarnation never overwrites the new one);
+  fenced by incarnation (a zombie of an old incarnation never overwrites the new one) and
+  never moving a learner's token count backwards (replays after an outage);
 - nodes seen on the agent sockets get `last_seen` and `measured_tokens_per_s` (mean tokens/s of
   the learners they reported in the window, i.e. per device slot) in one `bulk_update`;
 - metric points and events become `bulk_create`s.
@@ -141,6 +142,7 @@ class TelemetryWriter:
             self.stats["flushes"] += 1
             self.stats["learners_updated"] += out["learners_updated"]
             self.stats["heartbeats_fenced"] += out["fenced"]
+            self.stats["heartbeats_stale"] += out["stale"]
             self.stats["points_written"] += len(points)
             self.stats["events_written"] += len(events)
             self.stats["flush_ms_total"] += int((time.perf_counter() - t0) * 1000)
@@ -163,22 +165,29 @@ def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], even
     from apps.inventory.models import Node
     from apps.jobs.models import Event, Job, Learner, MetricPoint
 
-    fenced = 0
+    fenced = stale = 0
     updated: list[int] = []
     created_events: list[Event] = []
     with transaction.atomic():
         if hb:
-            current = dict(
-                Learner.objects.select_for_update()
+            current = {
+                pk: (inc, tokens)
+                for pk, inc, tokens in Learner.objects.select_for_update()
                 .filter(pk__in=sorted(hb))
                 .order_by("pk")
-                .values_list("pk", "incarnation")
-            )
+                .values_list("pk", "incarnation", "tokens")
+            }
             objs = []
             for pk in sorted(hb):
                 h = hb[pk]
-                if current.get(pk) != h["incarnation"]:
+                inc, tokens = current.get(pk, (None, 0))
+                if inc != h["incarnation"]:
                     fenced += 1
+                    continue
+                if h["tokens"] < tokens:
+                    # Older than what the learner already wrote (e.g. replayed from a client
+                    # buffer after an outage): never move a learner backwards.
+                    stale += 1
                     continue
                 objs.append(Learner(
                     pk=pk, tokens=h["tokens"], inner_steps=h["step"], tokens_per_s=h["tokens_per_s"],
@@ -253,7 +262,7 @@ def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], even
     if nodes:
         for row in Node.objects.filter(pk__in=list(nodes)).values(*publish.NODE_FIELDS):
             messages.append((publish.FLEET_GROUP, publish.node_message(row)))
-    return {"learners_updated": len(updated), "fenced": fenced, "messages": messages}
+    return {"learners_updated": len(updated), "fenced": fenced, "stale": stale, "messages": messages}
 
 
 _writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

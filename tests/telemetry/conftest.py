@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
@@ -114,6 +115,9 @@ async def expect_close(comm, timeout=2.0):
     while True:
         out = await comm.receive_output(timeout)
         if out["type"] == "websocket.close":
+            # Let the consumer instance finish (it would otherwise linger on the channel layer).
+            await comm.send_input({"type": "websocket.disconnect", "code": out.get("code")})
+            await comm.wait(2)
             return out.get("code"), msgs
         msgs.append(json.loads(out["text"]))
 
@@ -129,7 +133,9 @@ async def browser(path, user=None, origin=b"http://testserver"):
 
     headers = [(b"origin", origin)] if origin else []
     if user is not None:
-        headers.append((b"cookie", f"sessionid={session_cookie(user)}".encode()))
+        # Not directly: ORM calls inside the event loop open connections nobody closes.
+        cookie = await database_sync_to_async(session_cookie)(user)
+        headers.append((b"cookie", f"sessionid={cookie}".encode()))
     comm = WebsocketCommunicator(application, path, headers=headers)
     connected, code = await comm.connect()
     return comm, connected, code
@@ -147,3 +153,14 @@ async def _close_thread_connections():
 
     await get_writer().stop()
     await sync_to_async(connections.close_all)()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_executor_connections_at_end(django_db_setup):
+    """Runs before the test database is dropped: close the connection asgiref's shared
+    executor thread may still hold (database_sync_to_async work done late in a test)."""
+    yield
+    from asgiref.sync import SyncToAsync
+    from django.db import connections
+
+    SyncToAsync.single_thread_executor.submit(connections.close_all).result(10)
