@@ -99,11 +99,6 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # and the writer overlap.
     DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
     DATABASES["default"]["OPTIONS"]["init_command"] = "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
-    # Take the write lock at BEGIN: a deferred transaction that upgrades from read to write
-    # gets "database is locked" at once, without waiting for the timeout. WAL lets readers
-    # and the writer overlap.
-    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
-    DATABASES["default"]["OPTIONS"]["init_command"] = "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
@@ -122,7 +117,6 @@ if REDIS_URL:
 else:
     # Embedded default: a broker that needs no server (polls a folder, ~1 s latency).
     CELERY_BROKER_URL = "filesystem://"
-    CELERY_BROKER_TRANSPORT = "diloco_platform.fs_broker:Transport"  # atomic message writes
     CELERY_BROKER_TRANSPORT = "diloco_platform.fs_broker:Transport"  # atomic message writes
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "out"),
