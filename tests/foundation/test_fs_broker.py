@@ -1,4 +1,5 @@
 """The embedded broker: kombu's filesystem transport with atomic message writes."""
+
 from __future__ import annotations
 
 import threading
@@ -10,9 +11,13 @@ from diloco_platform.fs_broker import Transport
 
 def connection(folder):
     return Connection(
-        "filesystem://", transport=Transport,
-        transport_options={"data_folder_in": str(folder), "data_folder_out": str(folder),
-                           "store_processed": False},
+        "filesystem://",
+        transport=Transport,
+        transport_options={
+            "data_folder_in": str(folder),
+            "data_folder_out": str(folder),
+            "store_processed": False,
+        },
     )
 
 
@@ -39,7 +44,9 @@ def test_messages_round_trip_and_no_partial_file_is_visible(tmp_path):
         with connection(tmp_path) as conn:
             producer = conn.Producer()
             for body in sent:
-                producer.publish(body, exchange=q.exchange, routing_key="pool.x", declare=[q], serializer="json")
+                producer.publish(
+                    body, exchange=q.exchange, routing_key="pool.x", declare=[q], serializer="json"
+                )
     finally:
         stop.set()
         t.join()
@@ -66,9 +73,17 @@ def test_the_embedded_default_uses_it(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
     env["DILOCO_VAR_DIR"] = str(tmp_path)
-    code = ("import django; django.setup(); from diloco_platform.celery import app; "
-            "c = app.connection_for_write(); print(type(c.transport).__module__, c.as_uri())")
-    out = subprocess.run([sys.executable, "-c", code], cwd=settings.BASE_DIR, capture_output=True, text=True,
-                         env={**env, "DJANGO_SETTINGS_MODULE": "diloco_platform.settings"}, timeout=60)
+    code = (
+        "import django; django.setup(); from diloco_platform.celery import app; "
+        "c = app.connection_for_write(); print(type(c.transport).__module__, c.as_uri())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=settings.BASE_DIR,
+        capture_output=True,
+        text=True,
+        env={**env, "DJANGO_SETTINGS_MODULE": "diloco_platform.settings"},
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "diloco_platform.fs_broker"
