@@ -1,8 +1,8 @@
 """Server-rendered dashboard pages. Live parts update over /ws/jobs/<id>/ and /ws/fleet/."""
 from __future__ import annotations
 
+import io
 import logging
-import mimetypes
 from collections import defaultdict
 from datetime import timedelta
 
@@ -11,7 +11,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.db.models import Count, Q
-from django.http import FileResponse, Http404, HttpResponseRedirect, JsonResponse
+from django.http import FileResponse, Http404, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -312,17 +312,23 @@ def job_action(request, pk, action):
 
 @login_required
 def checkpoint_download(request, pk, version):
+    """Stream a checkpoint from the platform's blob store (same resolution as the API)."""
     job = get_object_or_404(data.visible_jobs(request.user), pk=pk)
     ckpt = get_object_or_404(Checkpoint, job=job, version=version)
-    import fsspec
+    from apps.api.views.checkpoints import _store_and_key
 
     try:
-        fh = fsspec.open(ckpt.blob_uri, "rb").open()
-    except (FileNotFoundError, OSError, ValueError) as exc:
-        raise Http404(f"checkpoint blob unavailable: {exc}") from None
-    name = f"job{job.pk}-v{ckpt.version}-{ckpt.kind}.safetensors"
-    resp = FileResponse(fh, as_attachment=True, filename=name,
-                        content_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
+        store, key = _store_and_key(ckpt.blob_uri)
+        blob = store.get(key)
+    except (KeyError, FileNotFoundError):
+        raise Http404("the checkpoint's blob is missing from the store") from None
+    except (OSError, ValueError) as exc:
+        log.warning("checkpoint %s unreadable: %s", ckpt.pk, exc)
+        return HttpResponse(f"The blob store could not be read ({type(exc).__name__}).", status=503,
+                            content_type="text/plain")
+    name = f"job{job.pk}-{ckpt.kind}-v{ckpt.version:05d}.safetensors"
+    resp = FileResponse(io.BytesIO(blob), as_attachment=True, filename=name,
+                        content_type="application/octet-stream")
     resp["X-Checksum-SHA256"] = ckpt.sha256
     return resp
 

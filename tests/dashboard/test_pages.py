@@ -96,6 +96,21 @@ def test_checkpoint_download(client, alice, bob, job_factory, tmp_path):
 
 
 @pytest.mark.django_db
+def test_checkpoint_download_from_configured_store(client, alice, job_factory, tmp_path, settings):
+    from trainer.transport import open_store
+
+    settings.BLOB_STORE_URL = f"file://{tmp_path}/store"
+    open_store(settings.BLOB_STORE_URL).put("jobs/1/ckpt-00010.safetensors", b"abc" * 100)
+    job = job_factory(alice)
+    Checkpoint.objects.create(job=job, version=10, blob_uri="jobs/1/ckpt-00010.safetensors",
+                              size_bytes=300, sha256="ef" * 32)
+    client.force_login(alice)
+    resp = client.get(f"/jobs/{job.pk}/checkpoints/10/download")
+    assert resp.status_code == 200 and b"".join(resp.streaming_content) == b"abc" * 100
+    assert resp["X-Checksum-SHA256"] == "ef" * 32
+
+
+@pytest.mark.django_db
 def test_query_counts_stay_bounded(client, staff_user, django_assert_max_num_queries):
     jobs = seed_jobs(staff_user, jobs=12, points=6000, learners=3)
     running = next(j for j in jobs if j.status == "running")
