@@ -172,26 +172,41 @@ class AgentConsumer(BaseSocket):
             return
         try:
             await getattr(self, "on_" + msg["type"])(msg)
-            STATS["accepted"] += 1
         except Refused as r:
-            STATS["refused"] += 1
             self.processed += 1
-            await self.send_json({"type": "error", "reason": r.reason, "code": r.code,
-                                  "in_reply_to": msg["type"]})
-            if r.abuse:
-                now = time.monotonic()
-                self.refusals.append(now)
-                while self.refusals and now - self.refusals[0] > ABUSE_WINDOW_S:
-                    self.refusals.popleft()
-                if len(self.refusals) > self.abuse_limit:
-                    STATS["abuse_closes"] += 1
-                    log.warning("agent %s closed after %d refused messages", self._who(), len(self.refusals))
-                    await self._send_ack()
-                    await self.fail(CLOSE_FORBIDDEN, f"too many refused messages ({r.reason})", "abuse")
-                    return
+            if await self._refused(msg, r):
+                return
+        except Exception:
+            # Not the agent's fault (e.g. the database is away): close without acking this
+            # frame, so the client sends it again after reconnecting.
+            STATS["server_errors"] += 1
+            log.exception("agent %s: handling a %s message failed", self._who(), msg["type"])
+            await self._send_ack()
+            await self.fail(1011, "server error, retry later", "server_error")
+            return
         else:
+            STATS["accepted"] += 1
             self.processed += 1
         self._schedule_ack()
+
+    async def _refused(self, msg: dict, r: Refused) -> bool:
+        """Reply with the reason; True when the connection was closed for repeated abuse."""
+        STATS["refused"] += 1
+        await self.send_json({"type": "error", "reason": r.reason, "code": r.code,
+                              "in_reply_to": msg["type"]})
+        if not r.abuse:
+            return False
+        now = time.monotonic()
+        self.refusals.append(now)
+        while self.refusals and now - self.refusals[0] > ABUSE_WINDOW_S:
+            self.refusals.popleft()
+        if len(self.refusals) <= self.abuse_limit:
+            return False
+        STATS["abuse_closes"] += 1
+        log.warning("agent %s closed after %d refused messages", self._who(), len(self.refusals))
+        await self._send_ack()
+        await self.fail(CLOSE_FORBIDDEN, f"too many refused messages ({r.reason})", "abuse")
+        return True
 
     def _who(self) -> str:
         return f"{self.role}:{self.pool_slug or '-'}:{self.worker or '?'}"

@@ -46,15 +46,40 @@ def _reject_constant(name: str) -> Any:
     raise ProtocolError(f"non-finite number {name} is not allowed")
 
 
+MAX_DEPTH = 32
+
+
+def _check_strings(obj: Any, depth: int = 0) -> None:
+    """Reject what PostgreSQL cannot store (NUL characters, lone surrogates) and deep nesting."""
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"JSON nested deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, str):
+        if "\x00" in obj:
+            raise ProtocolError("strings may not contain NUL characters")
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError("strings must be valid Unicode (lone surrogate escape)") from None
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_strings(k, depth + 1)
+            _check_strings(v, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _check_strings(v, depth + 1)
+
+
 def loads(text: str) -> Any:
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant)
     except ProtocolError:
         raise
     except RecursionError:
         raise ProtocolError("JSON nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, and ints over Python's digit limit
         raise ProtocolError(f"invalid JSON: {str(exc)[:80]}") from None
+    _check_strings(obj)
+    return obj
 
 
 # -- field checkers -----------------------------------------------------------------------------
@@ -254,6 +279,8 @@ def parse_frame(text: str | None, max_bytes: int) -> dict:
     if text is None:
         raise ProtocolError("binary frames are not accepted; send JSON text")
     # len(text) <= bytes <= 4 * len(text): only encode when it can matter.
-    if len(text) > max_bytes or (4 * len(text) > max_bytes and len(text.encode()) > max_bytes):
+    if len(text) > max_bytes or (
+        4 * len(text) > max_bytes and len(text.encode("utf-8", "surrogatepass")) > max_bytes
+    ):
         raise ProtocolError(f"frame larger than {max_bytes} bytes")
     return parse_message(loads(text))

@@ -29,7 +29,7 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 from django.conf import settings
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 
 from . import publish
 
@@ -127,10 +127,16 @@ class TelemetryWriter:
             t0 = time.perf_counter()
             try:
                 out = await database_sync_to_async(_write)(hb, nodes, points, events)
-            except Exception:
-                log.exception("telemetry flush failed; keeping %d points, %d events for the next one",
-                              len(points), len(events))
+            except Exception as exc:
                 self.stats["flush_errors"] += 1
+                if not isinstance(exc, OperationalError | InterfaceError):
+                    # Bad data, not an outage: retrying would fail forever and block the rest.
+                    log.exception("telemetry flush failed; dropping %d heartbeats, %d points, %d events",
+                                  len(hb), len(points), len(events))
+                    self.stats["batches_dropped"] += 1
+                    return 0
+                log.warning("telemetry flush failed (%s); keeping %d points, %d events for the next one",
+                            exc, len(points), len(events))
                 # Heartbeats/nodes: newer values that arrived meanwhile win.
                 for k, v in hb.items():
                     self._heartbeats.setdefault(k, v)
@@ -143,8 +149,8 @@ class TelemetryWriter:
             self.stats["learners_updated"] += out["learners_updated"]
             self.stats["heartbeats_fenced"] += out["fenced"]
             self.stats["heartbeats_stale"] += out["stale"]
-            self.stats["points_written"] += len(points)
-            self.stats["events_written"] += len(events)
+            self.stats["points_written"] += out["points"]
+            self.stats["events_written"] += out["events"]
             self.stats["flush_ms_total"] += int((time.perf_counter() - t0) * 1000)
         for group, msg in out["messages"]:
             await publish.agroup_send(group, {"type": "telemetry.forward", "message": msg})
@@ -211,6 +217,17 @@ def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], even
                 Node.objects.bulk_update(with_tps, ["last_seen", "measured_tokens_per_s"])
             if without:
                 Node.objects.bulk_update(without, ["last_seen"])
+        if points or events:
+            # Rows of jobs/learners deleted since the message was accepted would fail the batch.
+            jobs_alive = set(Job.objects.filter(
+                pk__in={p["job"] for p in points} | {e["job"] for e in events if e["job"]}
+            ).values_list("pk", flat=True))
+            learners_alive = set(Learner.objects.filter(
+                pk__in={p["learner_pk"] for p in points if p["learner_pk"]}
+            ).values_list("pk", flat=True))
+            points = [p for p in points if p["job"] in jobs_alive
+                      and (p["learner_pk"] is None or p["learner_pk"] in learners_alive)]
+            events = [e for e in events if e["job"] is None or e["job"] in jobs_alive]
         if points:
             MetricPoint.objects.bulk_create(
                 [MetricPoint(job_id=p["job"], learner_id=p["learner_pk"], name=p["name"], step=p["step"],
@@ -262,7 +279,8 @@ def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], even
     if nodes:
         for row in Node.objects.filter(pk__in=list(nodes)).values(*publish.NODE_FIELDS):
             messages.append((publish.FLEET_GROUP, publish.node_message(row)))
-    return {"learners_updated": len(updated), "fenced": fenced, "stale": stale, "messages": messages}
+    return {"learners_updated": len(updated), "fenced": fenced, "stale": stale, "points": len(points),
+            "events": len(events), "messages": messages}
 
 
 _writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

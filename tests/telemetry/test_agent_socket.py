@@ -234,6 +234,8 @@ BAD_FRAMES = {
     "huge frame": json.dumps({"type": "event", "job": 7, "kind": "info", "payload": {"x": "y" * 70_000}}),
     "deep nesting": '{"type":"event","job":7,"kind":"info","payload":' + '{"a":' * 5000 + "1" + "}" * 5001,
     "nul in string": '{"type":"hello","worker":"a\\u0000b"}',
+    "nul in payload": '{"type":"event","job":7,"kind":"info","payload":{"k":["x\\u0000"]}}',
+    "lone surrogate": '{"type":"event","job":7,"kind":"info","message":"\\ud800"}',
 }
 
 
@@ -376,3 +378,48 @@ async def test_stats_count_malformed(token_a):
     await comm.send_to(text_data="nope")
     await expect_close(comm)
     assert STATS["malformed"] == before + 1
+
+
+async def test_heartbeat_never_moves_tokens_backwards(job, token_a):
+    comm, _ = await agent(token_a)
+    await sync_to_async(lambda: Learner.objects.filter(job=job, index=0).update(tokens=5000))()
+    await comm.send_json_to(hb(job, tokens=4000))  # e.g. replayed from a buffer after an outage
+    await until(comm, lambda m: m["type"] == "ack")
+    writer = get_writer()
+    await writer.flush()
+    assert writer.stats["heartbeats_stale"] == 1
+    assert (await sync_to_async(Learner.objects.get)(job=job, index=0)).tokens == 5000
+    await comm.disconnect()
+
+
+async def test_rows_of_a_job_deleted_before_the_flush_are_skipped(job, token_a):
+    comm, _ = await agent(token_a)
+    writer = get_writer()
+    writer.interval = 30
+    await comm.send_json_to({"type": "metrics", "job": job.pk,
+                             "points": [{"learner": 0, "name": "train_loss", "value": 1.0}]})
+    await comm.send_json_to({"type": "event", "job": job.pk, "kind": "info"})
+    await comm.send_json_to(hb(job))
+    await until(comm, lambda m: m["type"] == "ack" and m["n"] == 3)
+    await sync_to_async(lambda: type(job).objects.filter(pk=job.pk).delete())()
+    await writer.flush()
+    assert writer.stats["flush_errors"] == 0 and writer.stats["points_written"] == 0
+    await comm.disconnect()
+
+
+async def test_server_error_closes_1011_without_acking_the_frame(job, token_a, monkeypatch):
+    from apps.telemetry import scope
+
+    comm, _ = await agent(token_a)
+    await comm.send_json_to({"type": "ping"})
+    await until(comm, lambda m: m["type"] == "pong")
+
+    async def broken(job_id):
+        raise RuntimeError("database away")
+
+    monkeypatch.setattr(scope.cache, "_fetch", broken)
+    await comm.send_json_to(hb(job))
+    code, msgs = await expect_close(comm)
+    assert code == 1011
+    assert msgs[-1]["code"] == "server_error"
+    assert [m["n"] for m in msgs if m["type"] == "ack"][-1:] == [1]  # the ping only: hb will be re-sent
