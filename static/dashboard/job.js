@@ -104,12 +104,15 @@ function makeChart(elId, names, xKey, opts = {}) {
                                         values: (u, vals) => vals.map((v) => fmtBytes(v)) }));
   // One x value would give uPlot a zero-width range: pad it (30 s of time, or 1 k tokens).
   const pad = xKey === "time" ? 30 : 1000;
+  // (uPlot itself widens a single time point to 86400/ms "days", i.e. years in seconds.)
   const xRange = (u, min, max) => {
-    if (min === null || max === null) {
+    const xs = u.data && u.data[0];
+    if (!xs || !xs.length || min === null || max === null) {
       const c = xKey === "time" ? Date.now() / 1000 : 0;
       return [c - pad, c + pad];
     }
-    return min === max ? [min - pad, max + pad] : [min, max];
+    if (xs[0] === xs[xs.length - 1]) return [xs[0] - pad, xs[0] + pad];
+    return [min, max];
   };
   const u = new uPlot({
     width: Math.max(240, el.clientWidth), height: 220, series: seriesOpts, axes,

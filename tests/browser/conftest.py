@@ -23,9 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
 
-pytestmark = pytest.mark.e2e
-
-
 @pytest.fixture(scope="session")
 def browser_type_launch_args(browser_type_launch_args):
     if not Path(CHROMIUM).exists():
@@ -127,9 +124,6 @@ class LiveServer:
 @pytest.fixture(scope="session")
 def live(django_db_setup, django_db_blocker, tmp_path_factory):
     """A daphne process serving the test database (HTTP + websockets)."""
-    import redis
-
-    redis.Redis.from_url(os.environ["REDIS_URL"]).flushdb()
     server = LiveServer(tmp_path_factory.mktemp("live"))
     server.start()
     try:

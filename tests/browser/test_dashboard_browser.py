@@ -128,6 +128,16 @@ def test_job_page_updates_live_then_cancel(dash, alice, fleet):
     data = json.loads(dash.locator("#chart-data").text_content())
     assert len(data["train_loss"]) == 20 and data["val_loss"][0][2] == pytest.approx(3.1)
 
+    # wide screen: the four charts share one row; laptop: two rows of two
+    dash.set_viewport_size({"width": 2560, "height": 1300})
+    tops = {round(b["y"]) for b in (f.bounding_box() for f in dash.locator("figure.chart").all())}
+    assert len(tops) == 1, tops
+    dash.screenshot(path="test-artifacts/job_wide.png")
+    dash.set_viewport_size({"width": 1366, "height": 768})
+    tops = {round(b["y"]) for b in (f.bounding_box() for f in dash.locator("figure.chart").all())}
+    assert len(tops) == 2, tops
+    assert dash.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+
     dash.get_by_role("button", name="Cancel job").click()
     dialog = dash.get_by_role("dialog")
     expect(dialog).to_contain_text(f"Cancel job #{job.pk}?")
