@@ -307,7 +307,8 @@ class AgentConsumer(BaseSocket):
         now = timezone.now()
         writer = get_writer()
         writer.add_heartbeat(lp.pk, msg["job"], msg["learner"], msg, now)
-        node = await self._node()
+        # The node this socket said hello from, else the one the runtime placed the learner on.
+        node = await self._node() or lp.node_id
         if node is not None:
             writer.touch_node(node, now, lp.pk, msg["tokens_per_s"])
         await self._subscribe(msg["job"], msg["learner"])

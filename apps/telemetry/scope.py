@@ -24,6 +24,7 @@ class LearnerPlace:
     pk: int
     pool_id: int | None
     incarnation: int
+    node_id: int | None = None
 
 
 @dataclass
@@ -47,9 +48,9 @@ def _load(job_id: int) -> JobScope:
     if status is None:
         return JobScope(job_id, exists=False, fetched=time.monotonic())
     learners = {
-        idx: LearnerPlace(pk, pool_id, inc)
-        for idx, pk, pool_id, inc in Learner.objects.filter(job_id=job_id).values_list(
-            "index", "pk", "pool_id", "incarnation"
+        idx: LearnerPlace(pk, pool_id, inc, node_id)
+        for idx, pk, pool_id, inc, node_id in Learner.objects.filter(job_id=job_id).values_list(
+            "index", "pk", "pool_id", "incarnation", "node_id"
         )
     }
     return JobScope(job_id, True, status, status in st.TERMINAL, learners, time.monotonic())

@@ -423,3 +423,17 @@ async def test_server_error_closes_1011_without_acking_the_frame(job, token_a, m
     assert code == 1011
     assert msgs[-1]["code"] == "server_error"
     assert [m["n"] for m in msgs if m["type"] == "ack"][-1:] == [1]  # the ping only: hb will be re-sent
+
+
+async def test_node_from_placement_when_no_hello(job, pool_a, token_a):
+    node = await sync_to_async(Node.objects.create)(pool=pool_a, hostname="h2", worker_name="w2@h2",
+                                                    last_seen="2026-01-01T00:00Z")
+    await sync_to_async(lambda: Learner.objects.filter(job=job, index=0).update(node=node))()
+    comm, _ = await agent(token_a)
+    await comm.send_json_to(hb(job, tokens_per_s=321.0))
+    await until(comm, lambda m: m["type"] == "ack")
+    await get_writer().flush()
+    node = await sync_to_async(Node.objects.get)(pk=node.pk)
+    lrn = await sync_to_async(Learner.objects.get)(job=job, index=0)
+    assert node.measured_tokens_per_s == 321.0 and node.last_seen == lrn.last_heartbeat
+    await comm.disconnect()
