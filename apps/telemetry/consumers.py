@@ -364,20 +364,12 @@ class AgentConsumer(BaseSocket):
             await self.send(text_data=dumps(event["message"]))
 
 
-_pool_ids: dict[str, int] = {}
-
-
 async def _pool_id(slug: str) -> int | None:
-    if slug not in _pool_ids:
-        from apps.inventory.models import Pool
+    from apps.inventory.models import Pool
 
-        pk = await database_sync_to_async(
-            lambda: Pool.objects.filter(slug=slug).values_list("pk", flat=True).first()
-        )()
-        if pk is None:
-            return None
-        _pool_ids[slug] = pk
-    return _pool_ids[slug]
+    return await database_sync_to_async(
+        lambda: Pool.objects.filter(slug=slug).values_list("pk", flat=True).first()
+    )()
 
 
 # -- dashboards -------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ class TelemetryWriter:
 
 def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], events: list[dict]) -> dict:
     """One flush, in a worker thread: returns the rows written and the messages to fan out."""
-    from apps.inventory.models import Node
+    from apps.inventory.models import Node, Pool
     from apps.jobs.models import Event, Job, Learner, MetricPoint
 
     fenced = stale = 0
@@ -227,7 +227,11 @@ def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], even
             ).values_list("pk", flat=True))
             points = [p for p in points if p["job"] in jobs_alive
                       and (p["learner_pk"] is None or p["learner_pk"] in learners_alive)]
-            events = [e for e in events if e["job"] is None or e["job"] in jobs_alive]
+            pools_alive = set(Pool.objects.filter(
+                pk__in={e["pool_id"] for e in events if e["pool_id"]}
+            ).values_list("pk", flat=True)) if events else set()
+            events = [{**e, "pool_id": e["pool_id"] if e["pool_id"] in pools_alive else None}
+                      for e in events if e["job"] is None or e["job"] in jobs_alive]
         if points:
             MetricPoint.objects.bulk_create(
                 [MetricPoint(job_id=p["job"], learner_id=p["learner_pk"], name=p["name"], step=p["step"],
@@ -261,8 +265,6 @@ def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], even
                              publish.learner_message(row, extra[row["id"]])))
     pool_slugs: dict[int, str] = {}
     if any(e.pool_id for e in created_events):
-        from apps.inventory.models import Pool
-
         pool_slugs = dict(Pool.objects.filter(pk__in={e.pool_id for e in created_events if e.pool_id})
                           .values_list("pk", "slug"))
     for e in created_events:

@@ -171,26 +171,36 @@ def test_malformed_frame_closes_only_that_connection_on_real_server(server, job,
         good.close()
 
 
-def test_ingest_rate_with_batching(server, job, token_a, capsys):
-    """Benchmark (prints, never asserts a speed): heartbeats + metric points per second."""
-    client = TelemetryClient(agent_url(server.url), token_a, max_buffer=100_000, max_inflight=5_000)
-    try:
-        assert wait_for(lambda: client.connected)
-        n = 3000
-        t0 = time.perf_counter()
-        for i in range(n):
-            if i % 2:
-                client.send(hb(job, tokens=1000 + i, step=i))
-            else:
-                client.send({"type": "metrics", "job": job.pk,
-                             "points": [{"learner": 0, "name": "tokens_per_s", "step": i, "value": 1.0}]})
-        assert client.flush(60), client.stats()
-        acked_s = time.perf_counter() - t0
-        rows = MetricPoint.objects.filter(job=job, name="tokens_per_s")
-        assert wait_for(lambda: rows.count() == n // 2, 30)
-        stored_s = time.perf_counter() - t0
-        with capsys.disabled():
-            print(f"\n[telemetry bench] {n} messages over one agent socket: acked in {acked_s:.2f}s "
-                  f"({n / acked_s:.0f} msg/s), all rows stored after {stored_s:.2f}s")
-    finally:
-        client.close()
+def test_ingest_rate_with_batching(server, alice, pool_a, token_a, capsys):
+    """Benchmark (prints, never asserts a speed): messages/s into the DB over agent sockets,
+    half heartbeats, half metric points; one socket, then 4 sockets (4 workers) at once."""
+    from .conftest import make_job
+
+    for n_clients in (1, 4):
+        job = make_job(alice, [pool_a] * n_clients)
+        clients = [TelemetryClient(agent_url(server.url), token_a, max_buffer=100_000, max_inflight=5_000)
+                   for _ in range(n_clients)]
+        try:
+            assert wait_for(lambda cs=clients: all(c.connected for c in cs))
+            n = 4000 // n_clients
+            t0 = time.perf_counter()
+            for i in range(n):
+                for k, c in enumerate(clients):
+                    if i % 2:
+                        c.send({**hb(job, learner=k, tokens=1000 + i, step=i), "incarnation": 1})
+                    else:
+                        c.send({"type": "metrics", "job": job.pk,
+                                "points": [{"learner": k, "name": "tokens_per_s", "step": i, "value": 1.0}]})
+            assert all(c.flush(60) for c in clients), [c.stats() for c in clients]
+            acked_s = time.perf_counter() - t0
+            rows = MetricPoint.objects.filter(job=job, name="tokens_per_s")
+            expected = n_clients * (n // 2)
+            assert wait_for(lambda rows=rows, expected=expected: rows.count() == expected, 30)
+            stored_s = time.perf_counter() - t0
+            total = n * n_clients
+            with capsys.disabled():
+                print(f"\n[telemetry bench] {total} messages over {n_clients} agent socket(s): acked in "
+                      f"{acked_s:.2f}s ({total / acked_s:.0f} msg/s), all rows stored after {stored_s:.2f}s")
+        finally:
+            for c in clients:
+                c.close()
