@@ -198,3 +198,19 @@ def test_installed_console_script(cli):
     proc = subprocess.run([str(exe), "jobs", "list", "--json"], env={**env, "DILOCO_TOKEN": "dl_bad"},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 4
+
+
+def test_api_bench_smoke(live_server, tmp_path):
+    """The bench command runs end to end (tiny sizes) against a live server and writes its JSON."""
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    out = tmp_path / "bench.json"
+    call_command("api_bench", "--jobs", "3", "--points", "600", "--clients", "2", "--requests", "2",
+                 "--url", live_server.url, "--json", str(out))
+    report = json.loads(out.read_text())
+    assert set(report["endpoints"]) == {"job list", "job detail", "metrics"}
+    for r in report["endpoints"].values():
+        assert r["requests"] == 4 and r["errors"] == 0 and r["p95_ms"] >= r["p50_ms"] > 0
+    assert not get_user_model().objects.filter(username__startswith="bench-").exists()  # cleaned up
+    assert not Job.objects.exists()

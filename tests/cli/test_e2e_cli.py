@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(not os.environ.get("REDIS_URL") or "postgres" not in os.environ.get("DATABASE_URL", ""),
-                       reason="the live stack needs PostgreSQL (DATABASE_URL) and Redis (REDIS_URL)"),
+    pytest.mark.skipif(not os.environ.get("REDIS_URL")
+                       or "postgres" not in os.environ.get("DATABASE_URL", ""), reason="the live stack needs PostgreSQL (DATABASE_URL) and Redis (REDIS_URL)"),
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import secrets
@@ -69,6 +70,7 @@ class Command(BaseCommand):
     def handle(self, *args, **opts):
         if min(opts["jobs"], opts["clients"], opts["requests"]) < 1 or opts["points"] < 0:
             raise CommandError("--jobs, --clients and --requests must be positive")
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         t0 = time.monotonic()
         user, token, job_ids = self.seed(opts["jobs"], opts["points"])
         seeded_s = time.monotonic() - t0
