@@ -1,0 +1,109 @@
+"""The demo's process supervisor: prefixed output, chaos kill + restart, clean stop of whole groups."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import threading
+import time
+
+from apps.inventory.management.commands.demo import Command, Supervisor
+
+# A child that prints, starts a grandchild (like a prefork pool) and runs until stopped.
+CHILD = (
+    "import subprocess, sys, time\n"
+    "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print('hello from', sys.argv[1], 'grandchild', g.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie waiting for its parent to reap it counts as dead
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_line(out: io.StringIO, needle: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in out.getvalue().splitlines():
+            if needle in line:
+                return line
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} not in output:\n{out.getvalue()}")
+
+
+def grandchild(out: io.StringIO, name: str, nth: int = 1) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = [ln for ln in out.getvalue().splitlines() if ln.startswith(f"{name:<12}| hello from")]
+        if len(lines) >= nth:
+            return int(lines[nth - 1].split()[-1])
+        time.sleep(0.05)
+    raise AssertionError(out.getvalue())
+
+
+def test_prefixed_output_chaos_and_clean_stop():
+    out = io.StringIO()
+    sup = Supervisor(out)
+    env = dict(os.environ)
+    a = sup.add("pool-a", [sys.executable, "-c", CHILD, "a"], env)
+    b = sup.add("pool-b", [sys.executable, "-c", CHILD, "b"], env)
+    try:
+        sup.start(a)
+        sup.start(b)
+        ga, gb = grandchild(out, "pool-a"), grandchild(out, "pool-b")
+        assert alive(ga) and alive(gb)
+
+        # --chaos: kill b's whole group after a moment, start it again later.
+        stop = threading.Event()
+        opts = {"chaos": True, "chaos_pool": "pool-b", "chaos_after": 0.2, "chaos_restart": 0.5, "run_for": 0}
+        cmd = Command()
+        result = {}
+        t = threading.Thread(target=lambda: result.update(code=cmd._watch(sup, stop, opts)))
+        t.start()
+        wait_line(out, "chaos       | starting worker pool-b again")
+        gb2 = grandchild(out, "pool-b", nth=2)
+        assert not alive(gb) and alive(gb2) and alive(ga)  # the old group is gone, a is untouched
+        assert sup.crashed() is None
+        stop.set()
+        t.join(10)
+        assert result["code"] == 0
+    finally:
+        sup.stop_all(grace_s=2)
+    for pid in (ga, gb2, a.popen.pid, b.popen.pid):
+        assert not alive(pid), pid
+
+
+def test_an_unexpected_exit_stops_the_demo():
+    out = io.StringIO()
+    sup = Supervisor(out)
+    ok = sup.add("ok", [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ))
+    bad = sup.add("bad", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], dict(os.environ))
+    try:
+        sup.start(ok)
+        sup.start(bad)
+        code = Command()._watch(sup, threading.Event(), {"chaos": False, "run_for": 0})
+    finally:
+        sup.stop_all(grace_s=1)
+    assert code == 1
+    assert "bad         | boom" in out.getvalue()
+    assert "bad         | exited with code 3; stopping the demo" in out.getvalue()
+    assert not ok.alive()
+
+
+def test_say_prefix():
+    plain, tty = io.StringIO(), io.StringIO()
+    Supervisor(plain).say("web", "listening\n", "36")
+    Supervisor(tty, colour=True).say("web", "listening\n", "36")
+    assert plain.getvalue() == "web         | listening\n"
+    assert tty.getvalue() == "\x1b[36mweb         |\x1b[0m listening\n"
