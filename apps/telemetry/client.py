@@ -143,7 +143,8 @@ class TelemetryClient:
     def stats(self) -> dict:
         with self._lock:
             out = dict(self._counts)
-            out["buffered"] = len(self._buf) + len(self._inflight)
+            # queued + sent-but-unacknowledged messages (not the per-connection hello/subscribe)
+            out["buffered"] = len(self._buf) + sum(1 for _, replay in self._inflight if replay)
         out["connected"] = self._connected
         out["reconnects"] = max(0, out["connects"] - 1)
         out["last_error"] = self.last_error
@@ -242,7 +243,6 @@ class TelemetryClient:
                     self._buf.extendleft(reversed([t for t, replay in self._inflight if replay]))
                     self._inflight.clear()
                     self._conn_acked = 0
-                self._connected = True
                 healthy = False
                 try:
                     healthy = self._session(ws)
@@ -357,6 +357,7 @@ class TelemetryClient:
         elif kind == "hello":
             self.server_hello = msg
             state["healthy"] = True
+            self._connected = True  # connected *and* authenticated
             limit = msg.get("max_frame_bytes")
             if isinstance(limit, int) and limit > 0:
                 self.max_frame_bytes = min(self.max_frame_bytes, limit)

@@ -171,6 +171,21 @@ def test_malformed_frame_closes_only_that_connection_on_real_server(server, job,
         good.close()
 
 
+def test_bad_token_keeps_retrying_with_backoff_and_a_bounded_buffer(server, job):
+    client = TelemetryClient(agent_url(server.url), "pt_wrong_token_123456", max_buffer=5,
+                             backoff_initial=0.05, backoff_max=0.2)
+    try:
+        for i in range(20):
+            client.send(hb(job, tokens=i))
+        assert wait_for(lambda: client.stats()["connects"] >= 3, 10)  # it keeps trying
+        stats = client.stats()
+        assert not stats["connected"] and stats["buffered"] <= 5 and stats["dropped"] >= 15
+        assert "unauthorized" in stats["last_error"] or "4401" in stats["last_error"]
+        assert Learner.objects.get(job=job, index=0).tokens == 0
+    finally:
+        client.close(timeout=0.2)
+
+
 def test_ingest_rate_with_batching(server, alice, pool_a, token_a, capsys):
     """Benchmark (prints, never asserts a speed): messages/s into the DB over agent sockets,
     half heartbeats, half metric points; one socket, then 4 sockets (4 workers) at once."""
