@@ -16,10 +16,12 @@ from apps.jobs.models import Checkpoint, Job
 
 ROOT = Path(__file__).resolve().parents[2]
 
+SERVICES = bool(os.environ.get("REDIS_URL")) and "postgres" in os.environ.get("DATABASE_URL", "")
+NEEDS = "the live stack needs PostgreSQL (DATABASE_URL) and Redis (REDIS_URL)"
 pytestmark = [
     pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(not os.environ.get("REDIS_URL")
-                       or "postgres" not in os.environ.get("DATABASE_URL", ""), reason="the live stack needs PostgreSQL (DATABASE_URL) and Redis (REDIS_URL)"),
+    pytest.mark.skipif(not SERVICES,
+                       reason=NEEDS),
 ]
 
 
