@@ -101,7 +101,10 @@ def _entries(tensors: dict[str, torch.Tensor], method: str) -> tuple[dict[str, t
             t = t.cpu()
         spec[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
         if method == "none":
-            entries[f"t/{name}"] = t.contiguous().clone()
+            t = t.contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view into a larger storage: safetensors wants its own
+            entries[f"t/{name}"] = t
         elif method == "bf16":
             entries[f"t/{name}"] = t.to(torch.bfloat16).contiguous()
         else:

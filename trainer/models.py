@@ -7,6 +7,7 @@ factory returns either a module with a `.loss(x, y)` method or a `(module, loss_
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
@@ -235,4 +236,6 @@ def _device(kind: str) -> torch.device:
 
 def autocast(device: torch.device, enabled: bool):
     """bf16 autocast context (a no-op when disabled)."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

@@ -304,13 +304,19 @@ class LocalRun:
         for p in self.syncer.due():
             self._merge(p)
 
-    def run(self) -> dict:
+    def run(self, until_steps: int | None = None) -> dict:
+        """Run to the end (or until every learner has done `until_steps` inner steps)."""
         t0 = time.perf_counter()
         if self.initial_val_loss is None:
             self.initial_val_loss = self.evaluator(self.syncer.params)
             self.curve.append([0, self.initial_val_loss])
+
+        def active(m: int) -> bool:
+            learner = self.learners[m]
+            return not learner.done and (until_steps is None or learner.inner_steps < until_steps)
+
         while True:
-            live = [m for m, learner in enumerate(self.learners) if not learner.done]
+            live = [m for m in range(len(self.learners)) if active(m)]
             if not live:
                 break
             t_next = min(self.next_t[m] for m in live)
@@ -328,7 +334,8 @@ class LocalRun:
                     self._send(learner.due_contributions())
                     self.next_t[m] += 1.0 / self.speeds[m]
             self._merge_due()
-        self._finish()
+        if until_steps is None:
+            self._finish()
         self.wall_before += time.perf_counter() - t0
         return self.report()
 
@@ -408,34 +415,6 @@ class LocalRun:
         self.initial_val_loss = state["initial_val_loss"]
         self.wall_before = float(state["wall_before"])
         self._published = {}
-
-    def run_until(self, inner_steps: int) -> None:
-        """Advance until every learner has done `inner_steps` steps (for checkpoint tests)."""
-        steps = self.config.steps
-        self.config.steps = inner_steps
-        for learner in self.learners:
-            learner.config.steps = inner_steps
-        try:
-            t0 = time.perf_counter()
-            if self.initial_val_loss is None:
-                self.initial_val_loss = self.evaluator(self.syncer.params)
-                self.curve.append([0, self.initial_val_loss])
-            while any(not learner.done for learner in self.learners):
-                live = [m for m, learner in enumerate(self.learners) if not learner.done]
-                t_next = min(self.next_t[m] for m in live)
-                self.clock.set(t_next)
-                for m in live:
-                    if self.next_t[m] == t_next:
-                        self._deliver(self.learners[m])
-                        self.learners[m].step()
-                        self._send(self.learners[m].due_contributions())
-                        self.next_t[m] += 1.0 / self.speeds[m]
-                self._merge_due()
-            self.wall_before += time.perf_counter() - t0
-        finally:
-            self.config.steps = steps
-            for learner in self.learners:
-                learner.config.steps = steps
 
 
 def run_local(

@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.checkpoint import state_from_bytes, state_to_bytes
+from trainer.learner import Learner, inner_lr
+from trainer.protocol import GlobalFragment
+
+
+@pytest.fixture
+def learner(small_config, stdlib_corpus):
+    def make(index=0, incarnation=0, **kw):
+        return Learner(small_config(**kw), index, incarnation=incarnation, corpus=stdlib_corpus)
+
+    return make
+
+
+def test_inner_lr_warmup_then_cosine(small_config):
+    cfg = small_config(inner_lr=1e-3, warmup_steps=4, steps=104, min_lr_ratio=0.1)
+    lrs = [inner_lr(cfg, s) for s in range(104)]
+    assert lrs[0] == pytest.approx(2.5e-4) and lrs[3] == pytest.approx(1e-3)
+    assert lrs[54] == pytest.approx(0.55e-3, rel=1e-2)
+    assert lrs[-1] == pytest.approx(1e-4, rel=1e-2)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
+
+
+def test_contributions_follow_the_staggered_schedule(learner):
+    lrn = learner(fragments=2, inner_steps=4, steps=8)
+    due_at = {}
+    for _ in range(4):
+        res = lrn.step()
+        for c in lrn.due_contributions():
+            due_at[c.fragment] = (res.step, c)
+    assert sorted(due_at) == [0, 1]
+    (s0, c0), (s1, c1) = due_at[0], due_at[1]
+    assert (s0, s1) == (2, 4)
+    assert (c0.inner_steps, c0.tokens) == (2, 2 * 2 * 16)
+    assert (c1.inner_steps, c1.tokens) == (4, 4 * 2 * 16)
+    assert c0.base_version == 0 and c0.key == (0, 0, 0, 0)
+    assert set(c0.tensors) == set(lrn.fragments[0])
+    # pseudo-gradient = base - local
+    for n in lrn.fragments[1]:
+        torch.testing.assert_close(c1.tensors[n], lrn.base[1][n] - lrn.params[n].detach())
+    assert lrn.tokens == 4 * 2 * 16 and lrn.inner_steps == 4
+
+
+def test_never_blocks_and_does_not_resend_while_outstanding(learner):
+    lrn = learner(inner_steps=2, steps=10)
+    lrn.step()
+    lrn.step()
+    first = lrn.due_contributions()
+    assert len(first) == 1 and lrn.outstanding(0)
+    for _ in range(4):  # no answer from the syncer: keep training
+        lrn.step()
+    assert lrn.due_contributions() == [] and lrn.skipped_sends == 2
+    assert lrn.inner_steps == 6
+    # the syncer answers with version 1: progress since the send is kept (mix_alpha), next send goes out
+    g = GlobalFragment("local", 0, 1, {n: t - first[0].tensors[n] for n, t in lrn.base[0].items()})
+    assert lrn.adopt(g)
+    assert not lrn.outstanding(0) and lrn.adopted_versions[0] == 1
+    lrn.step()
+    lrn.step()
+    (c,) = lrn.due_contributions()
+    assert c.base_version == 1 and c.inner_steps == 6  # 4 since the send + 2 more
+
+
+def test_adopt_mixes_progress_made_meanwhile(learner):
+    lrn = learner(inner_steps=1, steps=10, mix_alpha=0.25)
+    lrn.step()
+    lrn.due_contributions()
+    sent = {n: p.detach().clone() for n, p in lrn.params.items()}
+    lrn.step()  # progress made while the merge is in flight
+    now = {n: p.detach().clone() for n, p in lrn.params.items()}
+    g = GlobalFragment("local", 0, 1, {n: torch.full_like(t, 0.01) for n, t in sent.items()})
+    lrn.adopt(g)
+    for n in sent:
+        torch.testing.assert_close(lrn.params[n].detach(), 0.01 + 0.25 * (now[n] - sent[n]))
+        assert torch.equal(lrn.base[0][n], g.tensors[n])
+    assert not lrn.adopt(GlobalFragment("local", 0, 1, g.tensors))  # not newer: ignored
+    with pytest.raises(ValueError, match="tensors"):
+        lrn.adopt(GlobalFragment("local", 0, 2, {"x": torch.zeros(1)}))
+
+
+def test_lockstep_adoption_is_plain_replacement(learner):
+    lrn = learner(inner_steps=1, steps=10, mix_alpha=0.5)
+    lrn.step()
+    lrn.due_contributions()
+    g = GlobalFragment("local", 0, 1, {n: torch.randn_like(p) for n, p in lrn.params.items()})
+    lrn.adopt(g)
+    assert all(torch.equal(lrn.params[n].detach(), g.tensors[n]) for n in g.tensors)
+
+
+def test_set_work_size_applies_from_next_cycle(learner):
+    lrn = learner(inner_steps=4, steps=20)
+    lrn.step()
+    lrn.set_work_size(2)
+    assert lrn.work_size == 4
+    steps_with_sends = []
+    for _ in range(9):
+        r = lrn.step()
+        if lrn.due_contributions():
+            steps_with_sends.append(r.step)
+        if lrn.outstanding(0):
+            lrn.adopt(GlobalFragment("local", 0, lrn.adopted_versions[0] + 1, dict(lrn.base[0])))
+    assert steps_with_sends == [4, 6, 8, 10]
+    with pytest.raises(ValueError):
+        lrn.set_work_size(0)
+
+
+def test_done_by_steps(learner):
+    lrn = learner(steps=3)
+    while not lrn.done:
+        lrn.step()
+    assert lrn.inner_steps == 3
+
+
+def test_state_dict_restore_continues_identically(learner):
+    a = learner(fragments=2, inner_steps=4, steps=12)
+    for _ in range(5):
+        a.step()
+    pending = a.due_contributions()
+    assert pending  # fragment 0 is outstanding at checkpoint time
+    blob = state_to_bytes(a.state_dict())
+    b = learner(fragments=2, inner_steps=4, steps=12, seed=0)
+    b.load_state_dict(state_from_bytes(blob))
+    for _ in range(3):
+        ra, rb = a.step(), b.step()
+        assert ra.loss == rb.loss
+    for n in a.params:
+        assert torch.equal(a.params[n], b.params[n])
+    assert [c.key for c in a.due_contributions()] == [c.key for c in b.due_contributions()]
+    assert b.outstanding(0)
+
+
+def test_restore_as_new_incarnation_resends_progress(learner):
+    a = learner(inner_steps=2, steps=12)
+    a.step()
+    a.step()
+    assert a.due_contributions() and a.outstanding(0)
+    b = learner(incarnation=1, inner_steps=2, steps=12)
+    b.load_state_dict(a.state_dict())
+    assert b.incarnation == 1 and not b.outstanding(0)
+    b.step()
+    b.step()
+    (c,) = b.due_contributions()
+    assert c.key == (0, 1, 0, 0) and c.inner_steps == 4
+    with pytest.raises(ValueError, match="learner 0 loaded into learner 1"):
+        learner(index=1).load_state_dict(a.state_dict())

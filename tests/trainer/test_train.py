@@ -1,0 +1,208 @@
+"""The in-process driver: the acceptance runs, checkpoint/restore, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer.checkpoint import state_from_bytes, state_to_bytes
+from trainer.config import TrainConfig
+from trainer.train import LocalRun, run_local
+
+
+def test_decoupled_m1_h1_reproduces_single(small_config, stdlib_corpus):
+    """M=1, H=1, P=1, K=1, outer lr 1, momentum 0: the syncer just hands back the learner's weights."""
+    cfg = small_config(
+        learners=1,
+        inner_steps=1,
+        fragments=1,
+        quorum=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        steps=20,
+        batch_size=4,
+        seq_len=32,
+        warmup_steps=5,
+        eval_batches=4,
+        eval_batch_size=8,
+    )
+    single = run_local(cfg, "single", corpus=stdlib_corpus)
+    decoupled = run_local(cfg, "decoupled", corpus=stdlib_corpus)
+    assert single["initial_val_loss"] == decoupled["initial_val_loss"]
+    assert single["final_val_loss"] < single["initial_val_loss"] - 0.5  # it did learn
+    assert abs(single["final_val_loss"] - decoupled["final_val_loss"]) < 1e-5
+    assert decoupled["outer_steps"] == 20 and decoupled["tokens"] == single["tokens"] == 20 * 4 * 32
+
+
+def test_diloco_and_decoupled_share_the_engine(small_config, stdlib_corpus):
+    cfg = small_config(learners=2, quorum=1, steps=8, inner_steps=4, fragments=2)
+    a = run_local(cfg, "diloco", corpus=stdlib_corpus)
+    b = run_local(cfg, "decoupled", corpus=stdlib_corpus)
+    for r in (a, b):
+        # fragment 0 syncs after steps 2 and 6, fragment 1 after 4 and 8; the final flush sends
+        # fragment 0's steps 7-8: five merges
+        assert r["merges"] == 5 and r["rejected"] == 0
+        assert r["tokens"] == 2 * 8 * 2 * 16
+        assert r["bytes_sent"] == r["bytes_up"] + r["bytes_down"] > 0
+        assert r["val_curve"][0] == [0, r["initial_val_loss"]] and r["val_curve"][-1][0] == r["tokens"]
+
+
+def test_slow_learner_with_quorum_one(small_config, stdlib_corpus):
+    """A learner at half speed never stalls the others: merges go on with K=1."""
+    cfg = small_config(learners=2, quorum=1, steps=12, inner_steps=2, grace_cap_s=0.5, max_staleness=8)
+    run = LocalRun(cfg, "decoupled", corpus=stdlib_corpus, speeds=[1.0, 0.5])
+    report = run.run()
+    assert report["inner_steps"] == [12, 12]
+    assert report["merges"] > 6  # more merges than lock-step would need
+    assert report["rejected"] == 0
+    assert math.isfinite(report["final_val_loss"])
+
+
+def test_checkpoint_restore_continue_equals_uninterrupted(small_config, stdlib_corpus):
+    cfg = small_config(
+        learners=2,
+        quorum=1,
+        inner_steps=4,
+        fragments=2,
+        steps=16,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        compression="int8",
+    )
+    full = LocalRun(cfg, "decoupled", corpus=stdlib_corpus)
+    full.run()
+    part = LocalRun(cfg, "decoupled", corpus=stdlib_corpus)
+    part.run(until_steps=7)  # mid-cycle, with a contribution outstanding
+    blob = state_to_bytes(part.state_dict())
+    del part
+    resumed = LocalRun(cfg, "decoupled", corpus=stdlib_corpus)
+    resumed.load_state_dict(state_from_bytes(blob))
+    resumed.run()
+    for n, t in full.syncer.params.items():
+        assert torch.equal(t, resumed.syncer.params[n]), n
+    for a, b in zip(full.learners, resumed.learners, strict=True):
+        for n in a.params:
+            assert torch.equal(a.params[n], b.params[n])
+    assert full.syncer.versions == resumed.syncer.versions
+    assert full.report()["final_val_loss"] == resumed.report()["final_val_loss"]
+
+
+@pytest.mark.slow
+def test_tiny_m4_h20_learns_and_decoupled_matches_ddp(cache_dir, stdlib_corpus):
+    """Acceptance: tiny, stdlib, M=4, H=20, 400 inner steps per learner."""
+    cfg = TrainConfig(
+        model="tiny",
+        learners=4,
+        inner_steps=20,
+        fragments=1,
+        quorum=2,
+        steps=400,
+        batch_size=4,
+        seq_len=32,
+        cache_dir=str(cache_dir),
+        **ACCEPTANCE_HPARAMS,
+    )
+    ddp = run_local(cfg, "ddp", corpus=stdlib_corpus)
+    dec = run_local(cfg, "decoupled", corpus=stdlib_corpus)
+    assert ddp["tokens"] == dec["tokens"] == 4 * 400 * 4 * 32
+    assert abs(dec["initial_val_loss"] - math.log(256)) < 0.5
+    assert dec["final_val_loss"] < 3.0 - 0.3
+    assert dec["final_val_loss"] <= 1.02 * ddp["final_val_loss"], (
+        dec["final_val_loss"],
+        ddp["final_val_loss"],
+    )
+    assert dec["bytes_up"] < ddp["bytes_sent"] / 10
+
+
+ACCEPTANCE_HPARAMS = {"outer_lr": 1.0, "outer_momentum": 0.0, "inner_lr": 3e-3}
+
+
+def test_cli_train_writes_report(tmp_path, cache_dir):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "train",
+            "--strategy",
+            "decoupled",
+            "--learners",
+            "2",
+            "--inner-steps",
+            "2",
+            "--fragments",
+            "2",
+            "--quorum",
+            "1",
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--eval-batches",
+            "1",
+            "--compression",
+            "int4",
+            "--cache-dir",
+            str(cache_dir),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[decoupled] outer    1" in proc.stdout and "decoupled: val loss" in proc.stdout
+    report = json.loads(out.read_text())
+    for key in (
+        "strategy",
+        "final_val_loss",
+        "initial_val_loss",
+        "tokens",
+        "outer_steps",
+        "bytes_sent",
+        "wall_s",
+        "val_curve",
+    ):
+        assert key in report
+    assert report["strategy"] == "decoupled" and report["outer_steps"] == 2
+    assert 0 < report["compression_error_mean"] < 0.41
+
+
+def test_cli_rejects_bad_input(cache_dir):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "train",
+            "--learners",
+            "2",
+            "--quorum",
+            "3",
+            "--cache-dir",
+            str(cache_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2 and "error: quorum: must not exceed learners" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "--data", "/nonexistent/x", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2 and "does not exist" in proc.stderr

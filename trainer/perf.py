@@ -1,0 +1,253 @@
+"""`python -m trainer.perf`: engine overheads, printed (never asserted).
+
+1. Learner step overhead: `Learner.step()` (with its schedule, counters and contributions)
+   against a bare loop over the same model, optimizer and data (`model.loss`, backward,
+   clipping, AdamW).
+2. Syncer throughput: `Syncer.merge` (token-weighted merge + Nesterov outer step) over K
+   fp32 pseudo-gradients of a whole model, in GB/s of pseudo-gradient read, against a plain
+   `torch.add_` of the same tensors into an accumulator (the memory-bandwidth limit), plus
+   `Syncer.submit` (validation: shapes, finiteness, checksum) and the wire encode/decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from trainer.compression import decode, encode
+from trainer.config import TrainConfig
+from trainer.data import TokenStream
+from trainer.learner import Learner, load_corpus, make_optimizer
+from trainer.models import build_model
+from trainer.protocol import Contribution
+from trainer.syncer import Syncer
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_learner(
+    model: str,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    inner_steps: int,
+    fragments: int,
+    cache_dir: str | None,
+) -> dict:
+    cfg = TrainConfig(
+        model=model,
+        learners=1,
+        quorum=1,
+        inner_steps=inner_steps,
+        fragments=fragments,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        steps=10**6,
+        warmup_steps=1,
+        cache_dir=cache_dir,
+    )
+    corpus = load_corpus(cfg)
+    net = build_model(model, seq_len, 0, corpus.vocab_size)
+    net.train()
+    opt = make_optimizer(net, cfg, torch.device("cpu"))
+    stream = TokenStream(corpus, 0, 1, batch_size, seq_len, 0)
+
+    def bare_step() -> None:
+        x, y = stream.next_batch()
+        loss = net.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    learner = Learner(cfg, 0, corpus=corpus, num_learners=1)
+
+    def learner_step() -> None:
+        learner.step()
+        learner.due_contributions()
+
+    for _ in range(3):
+        bare_step()
+        learner_step()
+    bare, ours = [], []
+    for _ in range(steps):  # interleaved, so both see the same machine load
+        bare.append(_median_time(bare_step, 1))
+        ours.append(_median_time(learner_step, 1))
+    b, o = statistics.median(bare), statistics.median(ours)
+    mean_b, mean_o = statistics.fmean(bare), statistics.fmean(ours)
+    return {
+        "model": model,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "inner_steps": inner_steps,
+        "fragments": fragments,
+        "steps": steps,
+        "bare_ms_median": b * 1e3,
+        "learner_ms_median": o * 1e3,
+        "bare_ms_mean": mean_b * 1e3,
+        "learner_ms_mean": mean_o * 1e3,
+        "overhead_pct_median": (o - b) / b * 100,
+        "overhead_pct_mean": (mean_o - mean_b) / mean_b * 100,
+    }
+
+
+def bench_syncer(model: str, contributions: int, repeats: int) -> dict:
+    net = build_model(model, 64, 0)
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    numel = sum(t.numel() for t in params.values())
+    cfg = TrainConfig(learners=contributions, quorum=contributions, inner_steps=1, fragments=1)
+    gen = torch.Generator().manual_seed(0)
+    deltas = [
+        {n: torch.randn(t.shape, generator=gen) * 1e-3 for n, t in params.items()}
+        for _ in range(contributions)
+    ]
+    contribs = [Contribution("bench", m, 0, 0, 0, 1000 + m, 10, deltas[m]) for m in range(contributions)]
+    syncer = Syncer(cfg, params, clock=_Clock(), job="bench")
+    round_no = [0]
+
+    def submit_all() -> None:
+        for m, c in enumerate(contribs):
+            c.base_version = syncer.versions[0]
+            c.learner = m
+            r = syncer.submit(c)
+            if not r.accepted:
+                raise RuntimeError(r.reason)
+
+    def merge() -> None:
+        syncer.merge(0)
+
+    submit_t, merge_t = [], []
+    for _ in range(repeats + 1):
+        submit_t.append(_median_time(submit_all, 1))
+        merge_t.append(_median_time(merge, 1))
+        round_no[0] += 1
+    submit_s, merge_s = statistics.median(submit_t[1:]), statistics.median(merge_t[1:])
+    names = list(params)
+    acc = [torch.zeros_like(params[n]) for n in names]
+    lists = [[d[n] for n in names] for d in deltas]
+
+    def plain_add() -> None:
+        for lst in lists:
+            for a, t in zip(acc, lst, strict=True):
+                a.add_(t)
+
+    def foreach_add() -> None:
+        for lst in lists:
+            torch._foreach_add_(acc, lst)
+
+    plain_add()
+    plain_s = _median_time(plain_add, repeats)
+    foreach_s = _median_time(foreach_add, repeats)
+    blob = encode(deltas[0], "none")
+    enc_s = {
+        m: _median_time(lambda m=m: encode(deltas[0], m), max(1, repeats // 2)) for m in ("none", "int4")
+    }
+    dec_s = _median_time(lambda: decode(blob), max(1, repeats // 2))
+    gbytes = contributions * numel * 4 / 1e9
+    one = numel * 4 / 1e9
+    return {
+        "model": model,
+        "params": numel,
+        "contributions": contributions,
+        "pseudo_gradient_gb": gbytes,
+        "merge_s": merge_s,
+        "merge_gbps": gbytes / merge_s,
+        "submit_s": submit_s,
+        "submit_gbps": gbytes / submit_s,
+        "torch_add_s": plain_s,
+        "torch_add_gbps": gbytes / plain_s,
+        "torch_foreach_add_gbps": gbytes / foreach_s,
+        "merge_vs_add": plain_s / merge_s,
+        "encode_none_gbps": one / enc_s["none"],
+        "encode_int4_gbps": one / enc_s["int4"],
+        "decode_none_gbps": one / dec_s,
+    }
+
+
+class _Clock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.perf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="tiny", help="model of the learner bench")
+    p.add_argument("--syncer-model", default="small", help="model whose parameters the syncer merges")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per loop")
+    p.add_argument("--inner-steps", type=int, default=20)
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--contributions", type=int, default=4, help="K pseudo-gradients per merge")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--json", default=None, help="write the figures here")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    learner = bench_learner(
+        a.model, a.batch_size, a.seq_len, a.steps, a.inner_steps, a.fragments, a.cache_dir
+    )
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    syncer = bench_syncer(a.syncer_model, a.contributions, a.repeats)
+    rows = [
+        (
+            "learner step, bare loop",
+            f"{learner['bare_ms_median']:.2f} ms",
+            f"{a.model} b={a.batch_size} T={a.seq_len}",
+        ),
+        (
+            "learner step, Learner.step",
+            f"{learner['learner_ms_median']:.2f} ms",
+            f"H={a.inner_steps} P={a.fragments}, contributions included",
+        ),
+        (
+            "learner overhead",
+            f"{learner['overhead_pct_median']:+.1f} %",
+            f"median; mean {learner['overhead_pct_mean']:+.1f} %",
+        ),
+        (
+            "syncer merge + outer step",
+            f"{syncer['merge_gbps']:.2f} GB/s",
+            f"K={a.contributions} x {syncer['params'] / 1e6:.1f}M fp32 ({a.syncer_model})",
+        ),
+        ("plain torch add_", f"{syncer['torch_add_gbps']:.2f} GB/s", "same tensors, the bandwidth limit"),
+        ("torch _foreach_add_", f"{syncer['torch_foreach_add_gbps']:.2f} GB/s", ""),
+        ("merge vs add_", f"{syncer['merge_vs_add']:.2f} x", "1.0 = as fast as a bare add"),
+        ("syncer submit (validate)", f"{syncer['submit_gbps']:.2f} GB/s", "shape, finite, checksum"),
+        (
+            "encode none / int4",
+            f"{syncer['encode_none_gbps']:.2f} / {syncer['encode_int4_gbps']:.2f} GB/s",
+            "",
+        ),
+        ("decode none", f"{syncer['decode_none_gbps']:.2f} GB/s", "with validation"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}  {'value':>16}  notes")
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>16}  {note}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"learner": learner, "syncer": syncer, "threads": a.threads}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
