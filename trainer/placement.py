@@ -25,6 +25,7 @@ Objectives:
   scalarised score  e_pool + lam / v_pool  over lam (a Lagrangian relaxation), each filled
   greedily; the cheapest candidate within the budget wins.
 """
+
 from __future__ import annotations
 
 import math
@@ -93,8 +94,9 @@ def cycle_bytes(fragment_bytes: int, fragments: int, wire: str) -> float:
     return 2.0 * fragments * fragment_bytes / WIRE_RATIO[wire]
 
 
-def choose_wire(pool: PoolInfo, compute_cycle_s: float, fragment_bytes: int,
-                fragments: int) -> tuple[str, float]:
+def choose_wire(
+    pool: PoolInfo, compute_cycle_s: float, fragment_bytes: int, fragments: int
+) -> tuple[str, float]:
     """Least lossy dtype whose transfer fits in half the compute of a cycle; its transfer time."""
     bw = max(pool.link_gbps, 1e-9) * 1e9 / 8
     lat = 2 * fragments * pool.latency_ms / 1e3
@@ -115,8 +117,16 @@ class _Slot:
     dollars_per_token: float
 
 
-def _slots(pools, model_memory_gib, model_flops_per_token, tokens_per_step, base_inner_steps,
-           fragment_bytes, fragments, devices_per_learner):
+def _slots(
+    pools,
+    model_memory_gib,
+    model_flops_per_token,
+    tokens_per_step,
+    base_inner_steps,
+    fragment_bytes,
+    fragments,
+    devices_per_learner,
+):
     out, reasons = [], []
     for pool in pools:
         if pool.state != "active":
@@ -136,8 +146,9 @@ def _slots(pools, model_memory_gib, model_flops_per_token, tokens_per_step, base
         wire, comm = choose_wire(pool, compute_cycle, fragment_bytes, fragments)
         if comm > compute_cycle:  # the link cannot keep up even at int4: the learner runs at link speed
             v = v * compute_cycle / comm
-        out.append(_Slot(pool, d, v, wire, d * pool.watts_per_device / v,
-                         d * pool.cost_per_device_hour / 3600 / v))
+        out.append(
+            _Slot(pool, d, v, wire, d * pool.watts_per_device / v, d * pool.cost_per_device_hour / 3600 / v)
+        )
     return out, reasons
 
 
@@ -164,10 +175,56 @@ def _estimate(chosen: list[_Slot], total_tokens: float) -> tuple[float, float, f
     return t, energy, cost
 
 
-def place(learners: int, pools: list[PoolInfo], objective: str = "time", model_memory_gib: float = 1.0,
-          model_flops_per_token: float = 6e6, tokens_per_learner: int = 1_000_000, base_inner_steps: int = 20,
-          fragment_bytes: int = 1 << 20, *, fragments: int = 1, tokens_per_step: int | None = None,
-          devices_per_learner: int | None = None, time_slack: float = 0.10) -> Placement:
+def _improve(
+    chosen: list[_Slot], slots: list[_Slot], total_tokens: float, budget: float, objective: str
+) -> list[_Slot]:
+    """Local search after the sweep: move single learners to other pools while that lowers the
+    objective and keeps the time estimate within budget (greedy fills move whole pools at once)."""
+
+    def score(sel):
+        t, e, c = _estimate(sel, total_tokens)
+        return t, (e if objective == "energy" else c)
+
+    chosen = list(chosen)
+    _, cur = score(chosen)
+    for _ in range(4 * len(chosen) * max(1, len(slots))):
+        used: dict[str, int] = {}
+        for c in chosen:
+            used[c.pool.slug] = used.get(c.pool.slug, 0) + c.devices
+        best = None
+        for k, old in enumerate(chosen):
+            for s in slots:
+                if s.pool.slug == old.pool.slug or s.pool.devices_free - used.get(s.pool.slug, 0) < s.devices:
+                    continue
+                trial = chosen[:k] + [s] + chosen[k + 1 :]
+                t, v = score(trial)
+                if (
+                    t <= budget * (1 + 1e-9)
+                    and v < cur - 1e-12 * max(1.0, abs(cur))
+                    and (best is None or v < best[0])
+                ):
+                    best = (v, trial)
+        if best is None:
+            break
+        cur, chosen = best
+    return chosen
+
+
+def place(
+    learners: int,
+    pools: list[PoolInfo],
+    objective: str = "time",
+    model_memory_gib: float = 1.0,
+    model_flops_per_token: float = 6e6,
+    tokens_per_learner: int = 1_000_000,
+    base_inner_steps: int = 20,
+    fragment_bytes: int = 1 << 20,
+    *,
+    fragments: int = 1,
+    tokens_per_step: int | None = None,
+    devices_per_learner: int | None = None,
+    time_slack: float = 0.10,
+) -> Placement:
     """Place `learners` learners on `pools` for `objective`; raises PlacementError when nothing fits.
 
     `tokens_per_step` (one learner's tokens per inner step) sets the cycle length used to
@@ -183,8 +240,16 @@ def place(learners: int, pools: list[PoolInfo], objective: str = "time", model_m
         raise PlacementError("time_slack must lie in [0, 10]")
     if tokens_per_step is None:
         tokens_per_step = max(1, tokens_per_learner // (100 * base_inner_steps))
-    slots, reasons = _slots(pools, model_memory_gib, model_flops_per_token, tokens_per_step,
-                            base_inner_steps, fragment_bytes, fragments, devices_per_learner)
+    slots, reasons = _slots(
+        pools,
+        model_memory_gib,
+        model_flops_per_token,
+        tokens_per_step,
+        base_inner_steps,
+        fragment_bytes,
+        fragments,
+        devices_per_learner,
+    )
     if not slots:
         raise PlacementError("no pool can host a learner: " + ("; ".join(reasons) or "no pools given"))
     total_tokens = float(learners * tokens_per_learner)
@@ -201,7 +266,7 @@ def place(learners: int, pools: list[PoolInfo], objective: str = "time", model_m
         scale = sum(unit(s) for s in slots) / len(slots) * sum(s.v for s in slots) / len(slots)
         best = None
         for k in range(-12, 13):
-            lam = scale * 2.0 ** k
+            lam = scale * 2.0**k
             cand = _fill(slots, learners, key=lambda s, lam=lam: unit(s) + lam / s.v)
             if cand is None:
                 continue
@@ -210,9 +275,11 @@ def place(learners: int, pools: list[PoolInfo], objective: str = "time", model_m
             if t <= budget * (1 + 1e-9) and (best is None or score < best[0] - 1e-12):
                 best = (score, cand)
         if best is not None:
-            chosen = best[1]
-        reasons.append(f"{objective}: cheapest placement within {time_slack:.0%} of the fastest "
-                       f"estimate ({t_best:.0f} s)")
+            chosen = _improve(best[1], slots, total_tokens, budget, objective)
+        reasons.append(
+            f"{objective}: cheapest placement within {time_slack:.0%} of the fastest "
+            f"estimate ({t_best:.0f} s)"
+        )
     else:
         reasons.append("time: fastest learner slots first")
 
@@ -227,22 +294,31 @@ def place(learners: int, pools: list[PoolInfo], objective: str = "time", model_m
         tps[s.pool.slug] = s.v
     for slug in sorted(work):
         n = sum(1 for _, p in assignments if p == slug)
-        reasons.append(f"{slug}: {n} learner(s) x {dev[slug]} device(s), ~{tps[slug]:.3g} tok/s each, "
-                       f"H={work[slug]}, wire {wire[slug]}")
+        reasons.append(
+            f"{slug}: {n} learner(s) x {dev[slug]} device(s), ~{tps[slug]:.3g} tok/s each, "
+            f"H={work[slug]}, wire {wire[slug]}"
+        )
     return Placement(assignments, work, wire, reasons, t, e, c, dev, tps)
 
 
-def pool_from_catalogue(slug: str, accelerator: str, devices_free: int, link_gbps: float,
-                        latency_ms: float = 1.0, **overrides) -> PoolInfo:
+def pool_from_catalogue(
+    slug: str, accelerator: str, devices_free: int, link_gbps: float, latency_ms: float = 1.0, **overrides
+) -> PoolInfo:
     """A PoolInfo filled from `trainer.catalogue` figures (overrides win)."""
     from trainer import catalogue
 
     a = catalogue.get(accelerator)
     fields = {
-        "slug": slug, "accelerator": accelerator, "peak_tflops_per_device": a.peak_bf16_tflops,
-        "memory_gib": a.memory_gib, "watts_per_device": a.tdp_watts,
+        "slug": slug,
+        "accelerator": accelerator,
+        "peak_tflops_per_device": a.peak_bf16_tflops,
+        "memory_gib": a.memory_gib,
+        "watts_per_device": a.tdp_watts,
         "cost_per_device_hour": a.cost_per_device_hour,
-        "devices_free": devices_free, "link_gbps": link_gbps, "latency_ms": latency_ms, "mfu": a.mfu,
+        "devices_free": devices_free,
+        "link_gbps": link_gbps,
+        "latency_ms": latency_ms,
+        "mfu": a.mfu,
         "idle_watts_per_device": a.idle_watts,
     }
     fields.update(overrides)

@@ -14,6 +14,7 @@ Pure policy (no Django, no I/O), shared by the coordinator and the simulator.
     energy: joules per token; cost: dollars per token).
   Free devices are consumed as moves are planned; the biggest gains are planned first.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,10 +60,21 @@ def _unit_cost(pool: PoolInfo, devices: int, v: float, objective: str) -> float:
     return devices * pool.cost_per_device_hour / v
 
 
-def plan_moves(learners: list[LearnerStatus], pools: list[PoolInfo], objective: str = "time", *,
-               model_memory_gib: float = 1.0, model_flops_per_token: float = 6e6, min_gain: float = 0.2,
-               max_moves: int | None = None) -> list[Move]:
-    """Moves that improve `objective` by at least `min_gain`, rescues first."""
+def plan_moves(
+    learners: list[LearnerStatus],
+    pools: list[PoolInfo],
+    objective: str = "time",
+    *,
+    model_memory_gib: float = 1.0,
+    model_flops_per_token: float = 6e6,
+    min_gain: float = 0.2,
+    max_moves: int | None = None,
+    devices_per_learner: int | dict[str, int] | None = None,
+) -> list[Move]:
+    """Moves that improve `objective` by at least `min_gain`, rescues first.
+
+    A learner needs `devices_per_learner` devices (per pool when a dict) or, by default, as
+    many as its model's memory needs (`placement.devices_needed`)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
     by_slug = {p.slug: p for p in pools}
@@ -72,15 +84,21 @@ def plan_moves(learners: list[LearnerStatus], pools: list[PoolInfo], objective: 
         for p in pools:
             if p.state != "active":
                 continue
-            d = devices_needed(p, model_memory_gib)
+            if isinstance(devices_per_learner, dict):
+                d = devices_per_learner.get(p.slug) or devices_needed(p, model_memory_gib)
+            else:
+                d = devices_per_learner or devices_needed(p, model_memory_gib)
             if free.get(p.slug, 0) >= d:
                 v = learner_tokens_per_s(p, d, model_flops_per_token)
                 if v > 0:
                     yield p, d, v
 
     moves: list[Move] = []
-    rescues = [ls for ls in learners if not ls.alive or by_slug.get(ls.pool) is None
-               or by_slug[ls.pool].state != "active"]
+    rescues = [
+        ls
+        for ls in learners
+        if not ls.alive or by_slug.get(ls.pool) is None or by_slug[ls.pool].state != "active"
+    ]
     for ls in sorted(rescues, key=lambda x: x.index):
         best = min(options(), key=lambda o: _unit_cost(o[0], o[1], o[2], objective), default=None)
         if best is None:

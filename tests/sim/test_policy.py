@@ -1,4 +1,5 @@
 """Placement and rebalancing policy (pure functions shared by the runtime and the simulator)."""
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,16 @@ def test_resize_work_is_dylu():
 
 
 def test_time_placement_takes_fastest_slots_first():
-    p = place(6, fleet(), "time", model_memory_gib=20, model_flops_per_token=FLOPS_PER_TOKEN,
-              tokens_per_learner=10**9, base_inner_steps=20, fragment_bytes=1 << 20)
+    p = place(
+        6,
+        fleet(),
+        "time",
+        model_memory_gib=20,
+        model_flops_per_token=FLOPS_PER_TOKEN,
+        tokens_per_learner=10**9,
+        base_inner_steps=20,
+        fragment_bytes=1 << 20,
+    )
     pools = [slug for _, slug in p.assignments]
     assert pools[:4] == ["h100"] * 4 and pools[4:] == ["a100"] * 2
     assert p.work_sizes["h100"] == 20 and p.work_sizes["a100"] == math.floor(312 * 0.45 / (989 * 0.4) * 20)
@@ -48,12 +57,28 @@ def test_time_placement_takes_fastest_slots_first():
 
 
 def test_memory_decides_devices_per_learner_and_refusals():
-    p = place(2, fleet(), "time", model_memory_gib=100, model_flops_per_token=FLOPS_PER_TOKEN,
-              tokens_per_learner=10**9, base_inner_steps=10, fragment_bytes=1 << 20)
+    p = place(
+        2,
+        fleet(),
+        "time",
+        model_memory_gib=100,
+        model_flops_per_token=FLOPS_PER_TOKEN,
+        tokens_per_learner=10**9,
+        base_inner_steps=10,
+        fragment_bytes=1 << 20,
+    )
     assert p.devices_per_learner["h100"] == 2
     with pytest.raises(PlacementError, match="learner slot"):
-        place(100, fleet(), "time", model_memory_gib=20, model_flops_per_token=FLOPS_PER_TOKEN,
-              tokens_per_learner=10**9, base_inner_steps=10, fragment_bytes=1)
+        place(
+            100,
+            fleet(),
+            "time",
+            model_memory_gib=20,
+            model_flops_per_token=FLOPS_PER_TOKEN,
+            tokens_per_learner=10**9,
+            base_inner_steps=10,
+            fragment_bytes=1,
+        )
     with pytest.raises(PlacementError, match="objective"):
         place(1, fleet(), "speed")
     drained = [PoolInfo(**{**vars(fleet()[0]), "state": "draining"})]
@@ -62,8 +87,13 @@ def test_memory_decides_devices_per_learner_and_refusals():
 
 
 def test_energy_placement_saves_energy_within_time_budget():
-    kw = {"model_memory_gib": 20, "model_flops_per_token": FLOPS_PER_TOKEN, "tokens_per_learner": 10**9,
-          "base_inner_steps": 20, "fragment_bytes": 1 << 20}
+    kw = {
+        "model_memory_gib": 20,
+        "model_flops_per_token": FLOPS_PER_TOKEN,
+        "tokens_per_learner": 10**9,
+        "base_inner_steps": 20,
+        "fragment_bytes": 1 << 20,
+    }
     fast = place(8, fleet(), "time", **kw)
     green = place(8, fleet(), "energy", **kw)
     assert green.est_time_s <= fast.est_time_s * 1.10 + 1e-6
@@ -74,13 +104,33 @@ def test_energy_placement_saves_energy_within_time_budget():
 
 def test_slow_link_picks_compressed_wire():
     pools = [pool_from_catalogue("wan", "h100-sxm", devices_free=512, link_gbps=1.0, latency_ms=30)]
-    p = place(1, pools, "time", model_memory_gib=20, model_flops_per_token=6 * 12e9,
-              tokens_per_learner=10**10, base_inner_steps=24, fragment_bytes=4 * 12 * 10**9 // 24,
-              fragments=24, tokens_per_step=4 * 10**6, devices_per_learner=512)
+    p = place(
+        1,
+        pools,
+        "time",
+        model_memory_gib=20,
+        model_flops_per_token=6 * 12e9,
+        tokens_per_learner=10**10,
+        base_inner_steps=24,
+        fragment_bytes=4 * 12 * 10**9 // 24,
+        fragments=24,
+        tokens_per_step=4 * 10**6,
+        devices_per_learner=512,
+    )
     assert p.wire_dtype["wan"] in ("int8", "int4")
     lan = [pool_from_catalogue("lan", "h100-sxm", devices_free=8, link_gbps=3200)]
-    q = place(1, lan, "time", model_memory_gib=20, model_flops_per_token=6e9, tokens_per_learner=10**10,
-              base_inner_steps=24, fragment_bytes=1 << 20, fragments=4, tokens_per_step=10**6)
+    q = place(
+        1,
+        lan,
+        "time",
+        model_memory_gib=20,
+        model_flops_per_token=6e9,
+        tokens_per_learner=10**10,
+        base_inner_steps=24,
+        fragment_bytes=1 << 20,
+        fragments=4,
+        tokens_per_step=10**6,
+    )
     assert q.wire_dtype["lan"] == "none"
 
 
@@ -99,8 +149,12 @@ def test_plan_moves_rescues_lost_and_drained_then_improves():
     assert by[2].to_pool == "h100" and "not active" in by[2].reason
     assert by[3].to_pool in ("h100", "a100") and by[3].gain > 0.2
     assert 0 not in by  # already on the fastest pool
-    assert plan_moves(learners, pools, "time", model_memory_gib=20, model_flops_per_token=FLOPS_PER_TOKEN,
-                      max_moves=1)[0].learner == 1
+    assert (
+        plan_moves(
+            learners, pools, "time", model_memory_gib=20, model_flops_per_token=FLOPS_PER_TOKEN, max_moves=1
+        )[0].learner
+        == 1
+    )
 
 
 def test_plan_moves_energy_objective():
@@ -108,5 +162,14 @@ def test_plan_moves_energy_objective():
     learners = [LearnerStatus(0, "v100")]
     (m,) = plan_moves(learners, pools, "energy", model_memory_gib=20, model_flops_per_token=FLOPS_PER_TOKEN)
     assert m.to_pool in ("h100", "l4") and "energy" in m.reason
-    assert plan_moves([LearnerStatus(0, "h100")], pools, "energy", model_memory_gib=20,
-                      model_flops_per_token=FLOPS_PER_TOKEN, min_gain=0.5) == []
+    assert (
+        plan_moves(
+            [LearnerStatus(0, "h100")],
+            pools,
+            "energy",
+            model_memory_gib=20,
+            model_flops_per_token=FLOPS_PER_TOKEN,
+            min_gain=0.5,
+        )
+        == []
+    )

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m trainer.bench SCENARIO [--quick] [--seed S] [--json PATH] [--plot PATH]`."""

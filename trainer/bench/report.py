@@ -1,0 +1,229 @@
+"""Running a scenario's rows, the printed table, the JSON document and the PNG plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from trainer.bench.scenarios import TARGET_SLACK, Scenario
+
+COLUMNS = [
+    ("strategy", "strategy", "{}"),
+    ("goodput", "goodput", "{:.1%}"),
+    ("uptime", "uptime", "{:.1%}"),
+    ("global_downtime_s", "downtime s", "{:,.0f}"),
+    ("time_to_target_s", "to target s", "{:,.0f}"),
+    ("final_val_loss", "final loss", "{:.4f}"),
+    ("utilisation", "util", "{:.1%}"),
+    ("tokens", "tokens", "{:.3g}"),
+    ("time_s", "time s", "{:,.0f}"),
+    ("energy_j", "energy J", "{:.3g}"),
+    ("j_per_token", "J/token", "{:.3g}"),
+    ("bytes_sent", "bytes", "{:.3g}"),
+]
+
+KEEP = (
+    "strategy",
+    "goodput",
+    "uptime",
+    "global_downtime_s",
+    "time_to_target_s",
+    "final_val_loss",
+    "utilisation",
+    "utilisation_by_class",
+    "utilisation_by_pool",
+    "tokens",
+    "proxy_tokens",
+    "time_s",
+    "energy_j",
+    "j_per_token",
+    "bytes_sent",
+    "bytes_up",
+    "bytes_per_token",
+    "bytes_up_per_token",
+    "bytes_by_link",
+    "failures",
+    "lost_per_failure_s",
+    "restarts",
+    "merges",
+    "refused",
+    "moves",
+    "curve",
+    "marks",
+    "wall_s",
+    "wall_limited",
+)
+
+
+def time_to(curve: list[dict], target: float | None) -> float | None:
+    """First virtual time the validation loss reaches `target` (linear between evaluations)."""
+    if target is None:
+        return None
+    prev = None
+    for c in curve:
+        if c["val_loss"] <= target:
+            if prev is None or prev["val_loss"] <= c["val_loss"]:
+                return c["t"]
+            f = (prev["val_loss"] - target) / (prev["val_loss"] - c["val_loss"])
+            return prev["t"] + f * (c["t"] - prev["t"])
+        prev = c
+    return None
+
+
+def run_scenario(scn: Scenario, seed: int, quick: bool, progress=print) -> dict:
+    from dataclasses import replace
+
+    from trainer.learner import load_corpus
+    from trainer.sim.runner import run_strategy
+
+    corpus = load_corpus(scn.rows[0].spec.train)
+    t0 = time.perf_counter()
+    results: dict[str, dict] = {}
+    target = None
+    order = sorted(scn.rows, key=lambda r: r.label != scn.reference)
+    for row in order:
+        spec = replace(row.spec, target_loss=target)
+        w = time.perf_counter()
+        res = run_strategy(spec, row.strategy, corpus)
+        res["strategy"] = row.label
+        if row.label == scn.reference and res["final_val_loss"] is not None:
+            target = res["final_val_loss"] * (1 + TARGET_SLACK)
+        results[row.label] = res
+        progress(f"  {scn.name}: {row.label:<36} {time.perf_counter() - w:6.1f} s wall")
+    for res in results.values():
+        res["time_to_target_s"] = time_to(res["curve"], target)
+    rows = [{k: results[r.label].get(k) for k in KEEP} for r in scn.rows]
+    doc = {
+        "scenario": scn.name,
+        "seed": seed,
+        "quick": quick,
+        "description": scn.description,
+        "target_loss": target,
+        "target_rule": f"final loss of '{scn.reference}' x (1 + {TARGET_SLACK})",
+        "results": rows,
+        "settings": scn.settings,
+    }
+    if scn.checks:
+        doc["checks"] = scn.checks(results, scn)
+    if scn.summary:
+        doc.update(scn.summary(results, scn))
+    doc["wall_s"] = time.perf_counter() - t0
+    return _clean(doc)
+
+
+def _clean(x):
+    """JSON-safe: NaN/inf become null, tuples lists, dict keys strings."""
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None:
+        return "-"
+    try:
+        return spec.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def table(doc: dict, markdown: bool = False) -> str:
+    head = [h for _, h, _ in COLUMNS]
+    body = [[_fmt(r.get(k), f) for k, _, f in COLUMNS] for r in doc["results"]]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    out = [
+        "  ".join(
+            h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths, strict=True))
+        )
+    ]
+    for row in body:
+        out.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    return "\n".join(out)
+
+
+def checks_text(doc: dict) -> str:
+    lines = []
+    for c in doc.get("checks", []):
+        v = c["value"]
+        vs = f"{v:.4g}" if isinstance(v, float) else str(v)
+        met = {True: "met", False: "MISSED", None: "-"}[c["met"]]
+        lines.append(
+            f"  {c['check']}: {vs} (target {c['target']}) {met}" + (f"  [{c['note']}]" if c["note"] else "")
+        )
+    cal = doc.get("calibration")
+    if cal:
+        lines.append(
+            f"  calibration: lambda={cal['lambda_per_s']:.4f}/s R={cal['R_s']:.0f}s "
+            f"W={cal['W_s_measured']:.1f}s S={cal['S_s']:.0f}s D={cal['D_s']:.0f}s; formula ddp "
+            f"{cal['formula_ddp']:.1%}, elastic {cal['formula_elastic']:.1%}, decoupled "
+            f"{cal['formula_decoupled']:.1%}"
+        )
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    spans = []
+    for i, r in enumerate(doc["results"]):
+        curve = r.get("curve") or []
+        if not curve:
+            continue
+        ts = [c["t"] for c in curve]
+        spans.append(max(ts))
+        (line,) = ax.plot(ts, [c["val_loss"] for c in curve], marker="o", ms=3, label=r["strategy"])
+        fails = [m["t"] for m in r.get("marks") or [] if m.get("kind") in ("failure", "pool failure")]
+        if fails:
+            lo = min(c["val_loss"] for c in curve)
+            ax.plot(fails, [lo - 0.01 * (i + 1)] * len(fails), "|", color=line.get_color(), ms=6, alpha=0.6)
+    if doc.get("target_loss"):
+        ax.axhline(doc["target_loss"], color="grey", ls="--", lw=0.8, label="target loss")
+    if spans and max(spans) / max(min(spans), 1e-9) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("validation loss (nats/byte, proxy model)")
+    ax.set_title(f"{doc['scenario']}: loss vs virtual time (| = failures)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scale(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["strategy"] for r in doc["results"]]
+    ax.bar(names, [r["goodput"] for r in doc["results"]], color=["#c44", "#e93", "#393"])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("goodput")
+    ax.set_title(doc["description"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(doc, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
