@@ -124,6 +124,11 @@ class AgentConsumer(BaseSocket):
         self.worker: str | None = None
         self.node_pk: int | None = None
         self.node_lookup_at = 0.0
+        # Token bucket on items (a heartbeat/event = 1, a metrics message = its points): when a
+        # connection goes faster, the consumer waits (backpressure through the client's window
+        # of unacknowledged frames) instead of letting one token flood the database.
+        self.rate = float(getattr(settings, "TELEMETRY_MAX_ITEMS_PER_S", 5000))
+        self.bucket, self.bucket_at = 2 * self.rate, time.monotonic()
         token = _token_from_scope(self.scope)
         if not token:
             STATS["auth_failures"] += 1
@@ -170,6 +175,7 @@ class AgentConsumer(BaseSocket):
             await self._send_ack()
             await self.fail(CLOSE_MALFORMED, exc.reason, "malformed")
             return
+        await self._throttle(len(msg["points"]) if msg["type"] == "metrics" else 1)
         try:
             await getattr(self, "on_" + msg["type"])(msg)
         except Refused as r:
@@ -188,6 +194,17 @@ class AgentConsumer(BaseSocket):
             STATS["accepted"] += 1
             self.processed += 1
         self._schedule_ack()
+
+    async def _throttle(self, items: int) -> None:
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        self.bucket = min(2 * self.rate, self.bucket + (now - self.bucket_at) * self.rate)
+        self.bucket_at = now
+        self.bucket -= items
+        if self.bucket < 0:
+            STATS["throttled"] += 1
+            await asyncio.sleep(-self.bucket / self.rate)
 
     async def _refused(self, msg: dict, r: Refused) -> bool:
         """Reply with the reason; True when the connection was closed for repeated abuse."""

@@ -437,3 +437,18 @@ async def test_node_from_placement_when_no_hello(job, pool_a, token_a):
     lrn = await sync_to_async(Learner.objects.get)(job=job, index=0)
     assert node.measured_tokens_per_s == 321.0 and node.last_seen == lrn.last_heartbeat
     await comm.disconnect()
+
+
+async def test_fast_sender_is_slowed_down_not_refused(job, token_a, settings):
+    settings.TELEMETRY_MAX_ITEMS_PER_S = 100  # bucket: 200 items
+    comm, _ = await agent(token_a)
+    before = STATS["throttled"]
+    points = [{"learner": 0, "name": "train_loss", "step": i, "value": 1.0} for i in range(150)]
+    for _ in range(2):  # 300 points: the second message waits for the bucket to refill
+        await comm.send_json_to({"type": "metrics", "job": job.pk, "points": points})
+    ack = await until(comm, lambda m: m["type"] in ("ack", "error") and m.get("n", 0) == 2, timeout=5)
+    assert ack["type"] == "ack"
+    assert STATS["throttled"] == before + 1
+    await comm.disconnect()
+    await _flush()
+    assert await sync_to_async(MetricPoint.objects.filter(job=job).count)() == 300
