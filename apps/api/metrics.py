@@ -2,69 +2,85 @@
 
 Each series (metric name x learner) is cut into at most `points` buckets of equal width
 along `step` (tokens); each bucket is averaged in SQL (AVG of step and value, MAX of time),
-so the response size is bounded by points x series however many rows the job has.
+so the response size is bounded by points x series however many rows the job has. A series
+with no more rows than `points` comes back as it is (rows at the same step are averaged).
+One query for all series: window functions give each series its step range and size.
 """
 from __future__ import annotations
 
-from django.db.models import Avg, Count, F, IntegerField, Max, Min, Q, Value
-from django.db.models.functions import Cast, Floor
+from datetime import UTC, datetime
 
-from apps.jobs.models import Job, MetricPoint
+from django.db import connection
+
+from apps.jobs.models import Job, Learner, MetricPoint
 
 MAX_SERIES = 200
 
 
-def _scope(job: Job, names: list[str] | None, learner) -> Q:
-    q = Q(job=job)
-    if names:
-        q &= Q(name__in=names)
-    if learner == "job":
-        q &= Q(learner__isnull=True)
-    elif isinstance(learner, int):
-        q &= Q(learner__index=learner)
-    return q
+def _as_unix(t) -> float:
+    if isinstance(t, str):  # SQLite returns the aggregate as text
+        t = datetime.fromisoformat(t)
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return t.timestamp()
 
 
 def series(job: Job, names: list[str] | None = None, points: int = 500, learner="all") -> list[dict]:
     """[{name, learner, points: [[step, value, unix_time], ...]}], at most `points` per series."""
-    qs = MetricPoint.objects.filter(_scope(job, names, learner))
-    ranges = (
-        qs.values("name", "learner__index")
-        .annotate(lo=Min("step"), hi=Max("step"), n=Count("id"))
-        .order_by("name", "learner__index")[:MAX_SERIES]
-    )
-    out = []
-    for r in ranges:
-        name, lidx, lo, hi, n = r["name"], r["learner__index"], r["lo"], r["hi"], r["n"]
-        sq = qs.filter(name=name)
-        sq = sq.filter(learner__isnull=True) if lidx is None else sq.filter(learner__index=lidx)
-        if n <= points:
-            rows = sq.order_by("step", "time").values_list("step", "value", "time")
-            pts = [[float(s), v, t.timestamp()] for s, v, t in rows]
-        else:
-            span = (hi - lo) + 1
-            bucket = Cast(Floor((F("step") - Value(lo)) * Value(float(points)) / Value(float(span))),
-                          IntegerField())
-            rows = (
-                sq.annotate(b=bucket).values("b")
-                .annotate(s=Avg("step"), v=Avg("value"), t=Max("time"))
-                .order_by("b").values_list("s", "v", "t")
-            )
-            pts = [[float(s), v, t.timestamp()] for s, v, t in rows]
-        out.append({"name": name, "learner": lidx, "points": pts})
+    mp = MetricPoint._meta.db_table
+    where, params = ["m.job_id = %s"], [job.pk]
+    if names:
+        where.append("m.name IN (" + ", ".join(["%s"] * len(names)) + ")")
+        params += list(names)
+    if learner == "job":
+        where.append("m.learner_id IS NULL")
+    elif isinstance(learner, int):
+        lid = Learner.objects.filter(job=job, index=learner).values_list("id", flat=True).first()
+        where.append("m.learner_id = %s")
+        params.append(lid if lid is not None else -1)
+    sql = f"""
+        WITH s AS (
+            SELECT m.name AS name, m.learner_id AS lid, m.step AS step, m.value AS value, m.time AS time,
+                   MIN(m.step) OVER w AS lo, MAX(m.step) OVER w AS hi, COUNT(*) OVER w AS n,
+                   DENSE_RANK() OVER (ORDER BY m.name, m.learner_id) AS sr
+            FROM {mp} m
+            WHERE {" AND ".join(where)}
+            WINDOW w AS (PARTITION BY m.name, m.learner_id)
+        )
+        SELECT name, lid,
+               CASE WHEN n <= %s THEN step
+                    ELSE CAST(FLOOR((step - lo) * %s / (hi - lo + 1.0)) AS BIGINT) END AS b,
+               AVG(step), AVG(value), MAX(time)
+        FROM s
+        WHERE sr <= %s
+        GROUP BY name, lid, b
+        ORDER BY name, lid, b
+    """  # noqa: S608  (table names from the models; every value is a parameter)
+    params += [points, float(points), MAX_SERIES]
+    with connection.cursor() as cur:
+        cur.execute(sql, params)
+        rows = cur.fetchall()
+    index = dict(Learner.objects.filter(job=job).values_list("id", "index"))
+    out: list[dict] = []
+    key = None
+    for name, lid, _b, step, value, t in rows:
+        if (name, lid) != key:
+            key = (name, lid)
+            out.append({"name": name, "learner": None if lid is None else index.get(lid), "points": []})
+        out[-1]["points"].append([float(step), float(value), _as_unix(t)])
+    out.sort(key=lambda s: (s["name"], -1 if s["learner"] is None else s["learner"]))
     return out
 
 
 def latest_values(job: Job) -> dict[str, float]:
-    """The newest job-level value of each metric name (one small query per name)."""
-    names = (
-        MetricPoint.objects.filter(job=job, learner__isnull=True)
-        .values_list("name", flat=True).distinct().order_by("name")[:20]
-    )
+    """The newest job-level value of each metric name."""
+    qs = MetricPoint.objects.filter(job=job, learner__isnull=True)
+    if connection.vendor == "postgresql":  # one query: DISTINCT ON (name), newest first
+        rows = qs.order_by("name", "-time", "-id").distinct("name").values_list("name", "value")[:50]
+        return dict(rows)
     latest = {}
-    for name in names:
-        row = (MetricPoint.objects.filter(job=job, learner__isnull=True, name=name)
-               .order_by("-time", "-id").values_list("value", flat=True).first())
-        if row is not None:
-            latest[name] = row
+    for name in qs.values_list("name", flat=True).distinct().order_by("name")[:50]:
+        value = qs.filter(name=name).order_by("-time", "-id").values_list("value", flat=True).first()
+        if value is not None:
+            latest[name] = value
     return latest

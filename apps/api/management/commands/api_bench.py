@@ -127,6 +127,10 @@ class Command(BaseCommand):
                     MetricPoint.objects.bulk_create(batch)
                     batch = []
         MetricPoint.objects.bulk_create(batch)
+        if connection.vendor == "postgresql":  # fresh planner statistics, as autovacuum would give
+            with connection.cursor() as cur:
+                for model in (Job, Learner, Event, MetricPoint):
+                    cur.execute(f"ANALYZE {connection.ops.quote_name(model._meta.db_table)}")
         return user, token, [j.pk for j in jobs]
 
     # --- server --------------------------------------------------------------------------------
