@@ -41,6 +41,7 @@ CLOSE_NOT_FOUND = 4404
 ACK_DELAY_S = 0.05
 ABUSE_WINDOW_S = 60.0
 NODE_RETRY_S = 5.0
+REAUTH_S = 30.0
 
 # Process-wide counters (benchmarks, health pages, tests).
 STATS: dict[str, int] = defaultdict(int)
@@ -147,6 +148,7 @@ class AgentConsumer(BaseSocket):
                 await self.fail(CLOSE_UNAUTHORIZED, "invalid or revoked token", "unauthorized")
                 return
             self.role, self.pool_id, self.pool_slug = "pool", pool.pk, pool.slug
+            self.token, self.auth_checked = token, time.monotonic()
         STATS["connections"] += 1
         await self.send_json({
             "type": "hello", "role": self.role, "pool": self.pool_slug,
@@ -167,6 +169,16 @@ class AgentConsumer(BaseSocket):
     async def receive(self, text_data=None, bytes_data=None) -> None:
         if self.closing or self.role is None:
             return
+        if self.role == "pool" and time.monotonic() - self.auth_checked > REAUTH_S:
+            # A token revoked while its socket is open stops working within REAUTH_S.
+            from apps.inventory.models import PoolToken
+
+            self.auth_checked = time.monotonic()
+            pool = await database_sync_to_async(PoolToken.authenticate)(self.token)
+            if pool is None or pool.pk != self.pool_id:
+                STATS["auth_failures"] += 1
+                await self.fail(CLOSE_UNAUTHORIZED, "token revoked", "unauthorized")
+                return
         try:
             msg = parse_frame(text_data, self.max_bytes)
         except ProtocolError as exc:

@@ -452,3 +452,17 @@ async def test_fast_sender_is_slowed_down_not_refused(job, token_a, settings):
     await comm.disconnect()
     await _flush()
     assert await sync_to_async(MetricPoint.objects.filter(job=job).count)() == 300
+
+
+async def test_token_revoked_while_connected_is_cut_off(job, pool_a, token_a, monkeypatch):
+    from apps.telemetry import consumers
+
+    monkeypatch.setattr(consumers, "REAUTH_S", 0.0)  # check on every frame
+    comm, _ = await agent(token_a)
+    await comm.send_json_to(hb(job))
+    assert (await until(comm, lambda m: m["type"] in ("ack", "error")))["type"] == "ack"
+    tokens = PoolToken.objects.filter(pool=pool_a)
+    await sync_to_async(lambda: tokens.update(revoked_at="2026-01-01T00:00Z"))()
+    await comm.send_json_to(hb(job))
+    code, msgs = await expect_close(comm)
+    assert code == 4401 and msgs[-1]["reason"] == "token revoked"
