@@ -139,7 +139,7 @@ class Supervisor:
                 return child
         return None
 
-    def stop_all(self, grace_s: float = 5.0) -> None:
+    def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM (warm shutdown), then SIGQUIT (Celery's cold shutdown), then SIGKILL."""
         self.stopping = True
         live = [c for c in self.children.values() if c.alive()]
