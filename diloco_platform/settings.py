@@ -48,6 +48,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI served locally, no CDN
     "channels",
     "django_celery_beat",
     "apps.inventory",
@@ -210,6 +211,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Fleets, jobs, learners and metrics of the Decoupled DiLoCo platform.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "apps.api.schema.add_error_responses",
