@@ -158,3 +158,13 @@ def test_procfile_has_every_process():
     for slug in DEMO_POOLS:
         cmd = lines[slug.replace("-", "_")]
         assert f"DILOCO_POOL={slug}" in cmd and f"-Q pool.{slug}" in cmd
+
+
+def test_durations_are_compose_durations(compose):
+    """The schema marks durations with a format it does not check; check them here."""
+    duration = re.compile(r"^(\d+(\.\d+)?(us|ms|s|m|h))+$")
+    for name, svc in compose["services"].items():
+        for key in ("interval", "timeout", "start_period"):
+            value = (svc.get("healthcheck") or {}).get(key)
+            if value is not None:
+                assert duration.match(value), (name, key, value)
