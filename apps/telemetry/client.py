@@ -30,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from .protocol import MAX_POINTS, parse_frame, parse_message  # Django-free
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024
@@ -74,6 +76,7 @@ class TelemetryClient:
     ):
         self.url, self._token = url, token
         self.hello = dict(hello or {})
+        parse_message({"type": "hello", **self.hello})  # a bad hello would loop: fail right here
         self.max_buffer, self.max_inflight = max(1, int(max_buffer)), max(1, int(max_inflight))
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.connect_timeout = connect_timeout
@@ -108,7 +111,8 @@ class TelemetryClient:
             frames = self._encode(msg)
         except Exception as exc:  # never let telemetry break training
             self._count("invalid")
-            log.warning("telemetry: dropping unencodable %s message: %s", msg.get("type"), exc)
+            log.warning("telemetry: not sending an invalid %s message: %s",
+                        msg.get("type") if isinstance(msg, dict) else type(msg).__name__, exc)
             return False
         if not frames:
             return False
@@ -208,14 +212,15 @@ class TelemetryClient:
                 return []
             msg = {**msg, "points": points}
             text = self._dumps(msg)
-            if len(text.encode()) > self.max_frame_bytes and len(points) > 1:
+            if len(points) > 1 and (len(points) > MAX_POINTS or len(text.encode()) > self.max_frame_bytes):
                 half = len(points) // 2
                 return (self._encode({**msg, "points": points[:half]})
                         + self._encode({**msg, "points": points[half:]}))
         else:
             text = self._dumps(msg)
-        if len(text.encode()) > self.max_frame_bytes:
-            raise ValueError(f"message of {len(text.encode())} bytes exceeds {self.max_frame_bytes}")
+        # The server's own validation, here: a bad message is refused at send() (counted as
+        # invalid, logged) instead of costing the connection (4400) and everything in flight.
+        parse_frame(text, self.max_frame_bytes)
         return [text]
 
     def _run(self) -> None:

@@ -167,7 +167,7 @@ def _heartbeat(msg: dict) -> dict:
         "tokens_per_s": _opt(msg, "tokens_per_s", _float, lo=0, hi=1e15, where=w),
         "util": _opt(msg, "util", _float, lo=0, hi=100, where=w),
         "power_w": _opt(msg, "power_w", _float, lo=0, hi=1e7, where=w),
-        "staleness": _opt(msg, "staleness", _int, hi=MAX_INT32, where=w) or 0,
+        "staleness": _opt(msg, "staleness", _int, lo=-MAX_INT32, hi=MAX_INT32, where=w) or 0,
         "time": _time(msg, w),
     }
 

@@ -80,3 +80,27 @@ def test_client_imports_without_django_or_torch():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_invalid_messages_are_refused_locally_not_sent():
+    """The client applies the server's rules: a bug in a producer costs one message, never the
+    connection (the server would close it with 4400)."""
+    c = TelemetryClient(_dead_url(), "tok", start=False)
+    good = {"type": "heartbeat", "job": 1, "learner": 0, "incarnation": 1, "step": 1, "tokens": 1}
+    assert c.send(good)
+    assert c.send({**good, "staleness": -1})  # a learner ahead of the head it knows: allowed
+    for bad in ({**good, "job": "1"}, {**good, "step": 1.5}, {**good, "extra": 1},
+                {"type": "event", "job": 1, "kind": "exploded"}, {"type": "nope"},
+                {"type": "metrics", "job": 1, "points": [{"name": "Bad Name", "value": 1.0}]}):
+        assert not c.send(bad), bad
+    assert c.stats()["invalid"] == 6 and c.stats()["buffered"] == 2
+    points = [{"name": "x", "step": i, "value": 1.0} for i in range(2500)]  # > 2000 per frame
+    assert c.send({"type": "metrics", "job": 1, "points": points})
+    assert c.stats()["buffered"] > 3
+
+
+def test_bad_hello_fails_at_construction():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown field"):
+        TelemetryClient(_dead_url(), "tok", hello={"worker": "w", "colour": "blue"}, start=False)
