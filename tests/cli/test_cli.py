@@ -214,3 +214,28 @@ def test_api_bench_smoke(live_server, tmp_path):
         assert r["requests"] == 4 and r["errors"] == 0 and r["p95_ms"] >= r["p50_ms"] > 0
     assert not get_user_model().objects.filter(username__startswith="bench-").exists()  # cleaned up
     assert not Job.objects.exists()
+
+
+def test_wait_shows_progress_then_exits_0(cli, alice):
+    """--wait follows a job that moves: the bar shows tokens against the budget and the loss."""
+    import threading
+    import time
+
+    job = _job(alice, "running")  # budget: 1 learner x 10 steps x 4 x 8 = 320 tokens
+    MetricPoint.objects.create(job=job, name="train_loss", step=100, value=2.345)
+
+    def finish():
+        time.sleep(0.8)
+        Job.objects.filter(pk=job.pk).update(tokens_computed=160)
+        time.sleep(0.8)
+        Job.objects.filter(pk=job.pk).update(tokens_computed=320, status="completed", final_val_loss=2.2)
+
+    th = threading.Thread(target=finish)
+    th.start()
+    try:
+        r = cli("jobs", "wait", job.pk, "--poll", "0.2", "--timeout", "30")
+    finally:
+        th.join()
+    assert r.exit_code == 0, r.stderr
+    assert "320/320 tok" in r.stderr and "loss 2.345" in r.stderr and f"#{job.pk}" in r.stderr
+    assert "2.2000" in r.stdout  # the final table on stdout
