@@ -73,6 +73,9 @@ async def asend_control(job_id: int, learner_index: int, payload: dict) -> bool:
 
 # -- sync ----------------------------------------------------------------------------------------
 
+_background: set[asyncio.Task] = set()
+
+
 async def _await(coro) -> bool:
     return await coro
 
@@ -83,8 +86,11 @@ def _run(coro) -> bool:
     except RuntimeError:
         loop = None
     if loop is not None:
-        # Called from inside an event loop thread (async_to_sync would refuse): fire and forget.
-        loop.create_task(coro)
+        # Called from inside an event loop thread (async_to_sync would refuse): fire and forget,
+        # keeping a reference until done (the loop only holds weak ones).
+        task = loop.create_task(coro)
+        _background.add(task)
+        task.add_done_callback(_background.discard)
         return True
     try:
         return async_to_sync(_await)(coro)

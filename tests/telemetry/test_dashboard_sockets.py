@@ -79,3 +79,14 @@ async def test_foreign_origin_is_refused(job, alice):
     assert not ok
     comm, ok, code = await browser("/ws/fleet/", user=alice, origin=b"https://evil.example")
     assert not ok
+
+
+async def test_sync_publish_from_inside_the_event_loop(job, alice):
+    """publish_job called by sync code running in the loop's thread schedules the send."""
+    comm, ok, _ = await browser(f"/ws/jobs/{job.pk}/", user=alice)
+    assert ok
+    for _ in range(3):  # snapshot
+        await comm.receive_json_from()
+    assert publish.publish_job(job.pk, {"type": "job", "status": "paused"})
+    assert await comm.receive_json_from(timeout=2) == {"type": "job", "status": "paused"}
+    await comm.disconnect()
