@@ -248,9 +248,8 @@ class LocalRun:
         return len(self.syncer.fragments)
 
     def _global_blob(self, p: int) -> bytes:
-        version = self.syncer.versions[p]
-        blob = self._published.get(p)
-        if blob is None or GlobalFragment.from_bytes(blob).version != version:
+        blob = self._published.get(p)  # dropped at every merge of p
+        if blob is None:
             blob = self.syncer.global_fragment(p).to_bytes("none")
             self._published[p] = blob
         return blob
