@@ -32,6 +32,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def dies(pid: int, timeout: float = 10) -> bool:
+    """True once `pid` is gone (a SIGKILLed process may take a moment on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def wait_line(out: io.StringIO, needle: str, timeout: float = 30) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -73,7 +83,7 @@ def test_prefixed_output_chaos_and_clean_stop():
         t.start()
         wait_line(out, "chaos       | starting worker pool-b again")
         gb2 = grandchild(out, "pool-b", nth=2)
-        assert not alive(gb) and alive(gb2) and alive(ga)  # the old group is gone, a is untouched
+        assert dies(gb) and alive(gb2) and alive(ga)  # the old group is gone, a is untouched
         assert sup.crashed() is None
         stop.set()
         t.join(10)
@@ -81,7 +91,7 @@ def test_prefixed_output_chaos_and_clean_stop():
     finally:
         sup.stop_all(grace_s=2)
     for pid in (ga, gb2, a.popen.pid, b.popen.pid):
-        assert not alive(pid), pid
+        assert dies(pid), pid
 
 
 def test_an_unexpected_exit_stops_the_demo():
@@ -98,7 +108,7 @@ def test_an_unexpected_exit_stops_the_demo():
     assert code == 1
     assert "bad         | boom" in out.getvalue()
     assert "bad         | exited with code 3; stopping the demo" in out.getvalue()
-    assert not ok.alive()
+    assert dies(ok.popen.pid)
 
 
 def test_say_prefix():
