@@ -26,7 +26,8 @@ def _warm_worker(**kwargs) -> None:
 
     torch.set_num_threads(1)
     try:
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, 2))], lr=1e-3, fused=True)
+        if os.environ.get("DILOCO_POOL"):  # learners build an AdamW; syncers do not
+            torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, 2))], lr=1e-3, fused=True)
         import trainer.learner  # noqa: F401
         import trainer.runtime.learner_loop  # noqa: F401
         import trainer.syncer  # noqa: F401

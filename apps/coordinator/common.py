@@ -34,7 +34,7 @@ def hb_timeout() -> float:
 
 
 def syncer_timeout() -> float:
-    return float(getattr(settings, "SYNCER_TIMEOUT_S", 0) or max(3.0, 3 * hb_timeout()))
+    return float(getattr(settings, "SYNCER_TIMEOUT_S", 0) or max(2.0, 2 * hb_timeout()))
 
 
 def start_timeout() -> float:

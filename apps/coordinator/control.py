@@ -112,17 +112,15 @@ def ensure_syncer(job: Job) -> None:
     """Start the job's syncer if none holds a fresh lease (restart after a coordinator death)."""
     from .tasks import run_syncer
 
+    # lease.worker: "" = no syncer (never started or stopped cleanly), "dispatched" = sent,
+    # else the worker running it; last_heartbeat: its pulse (or the dispatch time)
     with transaction.atomic():
-        lease, created = SyncerLease.objects.select_for_update().get_or_create(job=job)
+        lease, _created = SyncerLease.objects.select_for_update().get_or_create(job=job)
         if lease.finished:
             return
-        fresh = lease.last_heartbeat and lease.last_heartbeat >= now() - timedelta(seconds=syncer_timeout())
-        # a syncer sent but not yet started gets the start timeout
-        starting = lease.started_at is None and lease.last_heartbeat is None and not created and \
-            lease.epoch > 0 and job.updated_at >= now() - timedelta(seconds=start_timeout())
-        if fresh or starting:
+        if lease.last_heartbeat and lease.last_heartbeat >= now() - timedelta(seconds=syncer_timeout()):
             return
-        lost = lease.epoch > 0 and lease.last_heartbeat is not None
+        lost = lease.last_heartbeat is not None and lease.worker not in ("", "dispatched")
         lease.epoch += 1
         epoch = lease.epoch
         if lost:
@@ -131,7 +129,8 @@ def ensure_syncer(job: Job) -> None:
                                     description=f"syncer epoch {epoch - 1} missed its heartbeats",
                                     details={"epoch": epoch - 1, "worker": lease.worker,
                                              "commits": lease.commits})
-        lease.last_heartbeat = now() if lost else None
+        lease.last_heartbeat = now()
+        lease.worker = "dispatched"
         lease.started_at = None
         lease.save()
         transaction.on_commit(lambda: run_syncer.delay(job.pk, epoch))

@@ -60,11 +60,13 @@ class DjangoHost:
         self.last_tokens = None
         self.first = True
         self.client = telemetry_client()
+        self.resume_tokens = 0
         self.beats = 0
 
     def resumed(self, point: dict) -> None:
         """Record where this incarnation resumes; the work of the previous one past that point is lost."""
         resume = int(point.get("tokens", 0))
+        self.resume_tokens = resume
         LearnerRuntime.objects.filter(learner_id=self.learner_id).update(resume_point=point, updated_at=now())
         last_reported = Learner.objects.filter(pk=self.learner_id) \
             .values_list("tokens", flat=True).first() or 0
@@ -144,6 +146,12 @@ class DjangoHost:
                                   "state": "running", "tokens": stats["tokens"], "loss": stats.get("loss"),
                                   "tokens_per_s": stats.get("tokens_per_s")})
 
+    def close(self) -> None:
+        """Called by the heartbeat thread when it ends: its DB connection is its own."""
+        from django.db import connection
+
+        connection.close()
+
     def telemetry(self, msg: dict) -> None:
         if self.client is not None:
             self.client.send(msg)
@@ -209,6 +217,23 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
             tokens_computed=F("tokens_computed") + delta)
     log.info("learner %s.%s of job %s: %s (%s) %d steps %.1fs", index, incarnation, job_id, result.outcome,
              result.reason, result.steps, result.seconds)
+    if result.outcome != "fenced":
+        from apps.jobs.models import Event
+
+        from .common import event
+
+        active = result.active_seconds or result.seconds
+        tps = (result.tokens - (host.resume_tokens or 0)) / active if active > 0 else None
+        event(job, Event.Kind.INFO,
+              f"learner {index}.{incarnation} {result.outcome} after {result.steps} steps"
+              + (f" ({result.reason})" if result.reason else ""),
+              {"learner": index, "incarnation": incarnation, "outcome": result.outcome, "steps": result.steps,
+               "tokens": result.tokens, "seconds": round(result.seconds, 3),
+               "active_seconds": round(result.active_seconds, 3),
+               "train_seconds": round(result.train_seconds, 3), "tokens_per_s": tps,
+               "contributions": result.contributions, "bytes_sent": result.bytes_sent,
+               "blob_write_seconds": round(loop.writer.write_seconds, 3),
+               "speed_factor": loop.speed_factor, "pool": learner.pool.slug if learner.pool else None})
     return result.outcome
 
 

@@ -1,4 +1,4 @@
-"""A real platform stack as subprocesses, for end-to-end tests (reused by api/cli/browser tests).
+"""A real platform stack as subprocesses: end-to-end tests (api/cli/browser too) and chaos_drill.
 
     from tests.support.stack import Stack
 
@@ -19,7 +19,8 @@ Processes (all with the Redis broker from REDIS_URL and the test database of the
   web           daphne on a free port
   <pool>-<i>    `celery worker -Q pool.<slug> --concurrency N --prefetch-multiplier 1
                  --disable-prefetch`, env DILOCO_POOL=<slug>, DILOCO_POOL_TOKEN=<raw token>
-  coordinator   `celery worker -Q coordinator` (threads pool)
+  coordinator   `celery worker -Q coordinator` (threads pool); `coordinators=2` adds a standby
+                "coordinator-1" (any coordinator worker runs the watchdog and restarts syncers)
   beat          `celery beat` (watchdog, rebalancer ticks)
 
 Each process runs in its own session (process group), logs to <tmp>/logs/<name>.log, and
@@ -53,12 +54,17 @@ def free_port() -> int:
 
 
 def database_url() -> str:
-    """DATABASE_URL of the database the Django test run is using (the test database)."""
+    """DATABASE_URL of the database this process uses (in a test run: the test database)."""
     from django.db import connection
 
     sd = connection.settings_dict
+    if "sqlite" in sd["ENGINE"]:
+        name = str(sd["NAME"])
+        if name == ":memory:" or name.startswith("file:memorydb"):
+            raise RuntimeError("the live stack cannot share an in-memory SQLite database")
+        return f"sqlite:///{name}"
     if "postgresql" not in sd["ENGINE"]:
-        raise RuntimeError("the live stack needs PostgreSQL (set DATABASE_URL)")
+        raise RuntimeError("the live stack needs PostgreSQL or a SQLite file")
     auth = quote(sd.get("USER") or "postgres")
     if sd.get("PASSWORD"):
         auth += ":" + quote(sd["PASSWORD"])
@@ -95,6 +101,50 @@ class StackError(RuntimeError):
     pass
 
 
+class RedisServer:
+    """A private redis-server on a free port (so a drill can kill and restart it)."""
+
+    def __init__(self, tmp: Path | str):
+        self.dir = Path(tmp) / "redis"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.popen: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10) -> None:
+        import redis
+
+        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - lives as long as the server
+        self.popen = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.dir)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis.from_url(self.url, socket_connect_timeout=0.5).ping()
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise StackError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
 class Stack:
     """Start web, pool workers, coordinator and beat as real processes; stop them all on exit."""
 
@@ -105,11 +155,13 @@ class Stack:
         *,
         workers_per_pool: int = 1,
         coordinator: bool = True,
+        coordinators: int = 1,
         beat: bool = True,
         web: bool = True,
         heartbeat_interval_s: float = 0.5,
         heartbeat_timeout_s: float = 1.5,
         blob_store_url: str | None = None,
+        redis_url: str | None = None,
         speed_factors: dict[str, float] | None = None,
         extra_env: dict[str, str] | None = None,
         flush_redis: bool = True,
@@ -123,8 +175,9 @@ class Stack:
         self.pool_slots = dict(pools if pools is not None else {"alpha": 2, "beta": 2})
         self.workers_per_pool = workers_per_pool
         self.want = {"coordinator": coordinator, "beat": beat, "web": web}
+        self.coordinators = coordinators
         self.speed_factors = speed_factors or {}
-        self.redis_url = os.environ.get("REDIS_URL", "")
+        self.redis_url = redis_url or os.environ.get("REDIS_URL", "")
         if not self.redis_url:
             raise StackError("the live stack needs Redis (set REDIS_URL)")
         self.blob_store_url = blob_store_url or f"file://{self.tmp / 'blobs'}"
@@ -138,6 +191,7 @@ class Stack:
         self.pools: dict[str, PoolHandle] = {}
         self.env = {
             **os.environ,
+            "DILOCO_CACHE_DIR": os.environ.get("DILOCO_CACHE_DIR") or str(ROOT / "var" / "cache"),
             "DJANGO_SETTINGS_MODULE": "diloco_platform.settings",
             "DATABASE_URL": database_url(),
             "REDIS_URL": self.redis_url,
@@ -181,7 +235,8 @@ class Stack:
                 "diloco_platform.asgi:application",
             ], {}))
         if self.want["coordinator"]:
-            names.append(self._spawn_coordinator())
+            for i in range(self.coordinators):
+                names.append(self._spawn_coordinator("coordinator" if i == 0 else f"coordinator-{i}"))
         for slug in self.pool_slots:
             for _ in range(self.workers_per_pool):
                 names.append(self.start_worker(slug, wait=False))
@@ -226,10 +281,10 @@ class Stack:
     def _celery(self) -> list[str]:
         return [str(BIN / "celery"), "-A", "diloco_platform"]
 
-    def _spawn_coordinator(self) -> str:
-        return self._spawn("coordinator", self._celery() + [
+    def _spawn_coordinator(self, name: str = "coordinator") -> str:
+        return self._spawn(name, self._celery() + [
             "worker", "-Q", "coordinator", "-P", "threads", "--concurrency", "8",
-            "--prefetch-multiplier", "1", "-n", f"coordinator-{self.port}@%h",
+            "--prefetch-multiplier", "1", "-n", f"{name}-{self.port}@%h",
             "--without-gossip", "--without-mingle", "-l", "INFO",
         ], {})
 

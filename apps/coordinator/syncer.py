@@ -88,6 +88,8 @@ class SyncerRun:
         self.counters = {"duplicates_refused": 0, "zombies_refused": 0, "rejected": 0, "accepted": 0,
                          "tokens_contributed": 0, "tokens_rejected": 0, "bytes_in": 0}
         self.sync_seconds = 0.0
+        self.timing = {"merge_s": 0.0, "blob_s": 0.0, "snapshot_s": 0.0, "db_s": 0.0}
+        self.commits_here = 0
         self.blob_seconds = 0.0
         self.eval_model = None
         self.last_eval_commit = 0
@@ -144,6 +146,7 @@ class SyncerRun:
         live = sum(1 for f in self.fences.values()
                    if f[2] in (Learner.State.RUNNING, Learner.State.STARTING, Learner.State.PENDING))
         self.syncer.set_expected_learners(max(1, live))
+        self.live = live
         return status
 
     # ------------------------------------------------------------------ contributions
@@ -252,6 +255,26 @@ class SyncerRun:
             done += 1
         return done
 
+    def merge_short(self) -> int:
+        """Fewer learners left than the quorum (the others finished or were removed): a
+        fragment that holds a contribution from every live learner merges anyway, or the
+        tail of the job would wait for a quorum that can no longer form."""
+        live = getattr(self, "live", None)
+        if live is None or live >= self.config.quorum:
+            return 0
+        done = 0
+        for p in range(self.P):
+            if self.syncer.pending_count(p) >= max(1, live):
+                t0 = time.perf_counter()
+                try:
+                    result = self.syncer.merge(p, force=True)
+                except ValueError:
+                    self._drop_stale(p, set())
+                    continue
+                self.commit(result, time.perf_counter() - t0)
+                done += 1
+        return done
+
     def _drop_stale(self, p: int, used_keys: set[str]) -> None:
         """Pending refs of fragment p the merge left out were dropped by the staleness rule."""
         for k in [k for k, ref in self.pending.items() if ref.fragment == p and k not in used_keys]:
@@ -262,34 +285,41 @@ class SyncerRun:
         t0 = time.perf_counter()
         p, v = r.fragment, r.version
         used = []
-        for c in r.contributors:
-            match = [k for k, ref in self.pending.items()
-                     if (ref.fragment, ref.learner, ref.incarnation, ref.base_version)
-                     == (p, c["learner"], c["incarnation"], c["base_version"])]
-            for k in match:
-                used.append(self.pending.pop(k))
-        self._drop_stale(p, {u.key for u in used})
-        tokens = 0
         contributors = []
+        tokens = 0
         for c in r.contributors:
-            refs = [u for u in used if u.learner == c["learner"] and u.incarnation == c["incarnation"]]
-            rng = [[u.start, u.end] for u in refs]
-            for u in refs:
+            # the engine key (learner, incarnation, fragment, base version) names one blob
+            match = next((k for k, ref in self.pending.items()
+                          if (ref.fragment, ref.learner, ref.incarnation, ref.base_version)
+                          == (p, c["learner"], c["incarnation"], c["base_version"])), None)
+            rng = []
+            if match is not None:
+                u = self.pending.pop(match)
+                used.append(u)
+                rng = [[u.start, u.end]]
                 self.ledger.add(u.learner, u.fragment, u.start, u.end)
                 tokens += u.end - u.start
             contributors.append({**{k: _jsonable(val) for k, val in c.items()}, "ranges": rng})
+        self._drop_stale(p, {u.key for u in used})
         tokens_equiv = tokens // max(1, self.P)
         self.counters["tokens_contributed"] += tokens_equiv
+        t_blob = time.perf_counter()
         blob = r.global_fragment.to_bytes("none")
         gkey = keys.global_key(self.job_id, p, v)
         self.store.put(gkey, blob)
+        self.timing["blob_s"] += time.perf_counter() - t_blob
+        self.timing["merge_s"] += merge_s
+        t_snap = time.perf_counter()
         self.commits += 1
         self.head[p] = v
         snap_key = keys.syncer_state_key(self.job_id, self.commits)
         self.store.put(snap_key, codec.pack({
             "syncer": self.syncer.state_dict(), "ledger": self.ledger.to_dict(), "counters": self.counters,
             "pending": sorted(self.pending),
-            "last_eval_commit": self.last_eval_commit, "last_ckpt_commit": self.last_ckpt_commit}))
+            "last_eval_commit": self.last_eval_commit, "last_ckpt_commit": self.last_ckpt_commit},
+            copy=False))  # the engine's state_dict() returns copies
+        t_db = time.perf_counter()
+        self.timing["snapshot_s"] += t_db - t_snap
         with transaction.atomic():
             lease = SyncerLease.objects.select_for_update() \
                 .filter(job_id=self.job_id, epoch=self.epoch).first()
@@ -308,6 +338,8 @@ class SyncerRun:
             for u in used:
                 Learner.objects.filter(job_id=self.job_id, index=u.learner).update(
                     tokens_contributed=F("tokens_contributed") + (u.end - u.start) // max(1, self.P))
+        self.timing["db_s"] += time.perf_counter() - t_db
+        t_blob = time.perf_counter()
         head = json.dumps({str(k): x for k, x in self.head.items()}).encode()
         self.store.put(keys.head_key(self.job_id), head)
         for u in used:
@@ -316,7 +348,9 @@ class SyncerRun:
         if old_key and old_key != snap_key:
             with contextlib.suppress(Exception):
                 self.store.delete(old_key)
+        self.timing["blob_s"] += time.perf_counter() - t_blob
         self.sync_seconds += merge_s + (time.perf_counter() - t0)
+        self.commits_here += 1
         publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": self.commits})
         if self.commits - self.last_eval_commit >= int(self.spec.get("eval_interval", 5)):
             self.last_eval_commit = self.commits
@@ -400,16 +434,20 @@ class SyncerRun:
                 status = self.heartbeat()
                 next_hb = t + min(0.5, hb_interval())
                 if status not in ACTIVE_JOB and (status == st.PAUSED or status in st.TERMINAL):
+                    self._stop.set()
+                    SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(
+                        worker="", last_heartbeat=None)
                     return f"stopped: job {status}"
             self.scan()
             self.merge_due()
+            self.merge_short()
             if status == st.RUNNING and self._all_learners_finished():
                 self.scan()
                 if not self._waiting_keys():
                     self.merge_due(force=True)
                     self.finish()
                     return "completed"
-            time.sleep(0.02)
+            time.sleep(0.05)
 
     def _waiting_keys(self) -> bool:
         return any(k not in self.seen for k in self.store.list(keys.contrib_prefix(self.job_id)))
@@ -428,6 +466,11 @@ class SyncerRun:
         Job.objects.filter(pk=self.job_id).update(final_val_loss=loss, tokens_computed=computed,
                                                   tokens_lost=lost)
         SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(finished=True)
+        event(self.job, Event.Kind.INFO, f"syncer finished: {self.commits} outer steps",
+              {"commits": self.commits, "commits_this_epoch": self.commits_here,
+               "sync_seconds": round(self.sync_seconds, 4),
+               "contribution_read_seconds": round(self.blob_seconds, 4),
+               "epoch": self.epoch, **{k: round(v, 4) for k, v in self.timing.items()}, **self.counters})
         job = Job.objects.get(pk=self.job_id)
         with contextlib.suppress(st.IllegalTransition):
             job.transition(st.COMPLETED, f"all learners finished; val loss {loss:.4f}")

@@ -13,7 +13,7 @@ needs_services = pytest.mark.skipif(
 )
 
 TINY = {
-    "name": "e2e tiny", "model": "tiny", "learners": 2, "quorum": 1, "inner_steps": 8, "fragments": 1,
+    "name": "e2e tiny", "model": "tiny", "learners": 2, "quorum": 2, "inner_steps": 8, "fragments": 1,
     "steps": 64, "batch_size": 8, "seq_len": 32, "warmup_steps": 4, "eval_interval": 4,
     "checkpoint_interval": 20, "grace_cap_s": 0.5, "seed": 1,
 }

@@ -22,13 +22,26 @@ class CodecError(ValueError):
     pass
 
 
-def pack(obj: Any, extra_metadata: dict[str, str] | None = None) -> bytes:
+def pack(obj: Any, extra_metadata: dict[str, str] | None = None, copy: bool = True) -> bytes:
+    """`copy=False` when the tensors of `obj` are private copies already (saves a clone)."""
+    tensors, meta = encode(obj, extra_metadata, copy=copy)
+    return save(tensors, meta)
+
+
+def save(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    return st_save(tensors, metadata=meta)
+
+
+def encode(obj: Any, extra_metadata: dict[str, str] | None = None,
+           copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Copy every tensor out of `obj` (safe to serialise later, elsewhere) and describe the rest."""
     tensors: dict[str, torch.Tensor] = {}
 
     def enc(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
             name = f"t{len(tensors)}"
-            tensors[name] = o.detach().to("cpu").contiguous().clone()
+            t = o.detach().to("cpu").contiguous()
+            tensors[name] = t.clone() if copy else t
             return {"__t__": name}
         if isinstance(o, np.ndarray):
             name = f"t{len(tensors)}"
@@ -51,7 +64,7 @@ def pack(obj: Any, extra_metadata: dict[str, str] | None = None) -> bytes:
         raise CodecError(f"cannot encode {type(o).__name__}")
 
     meta = {"state": json.dumps(enc(obj)), **(extra_metadata or {})}
-    return st_save(tensors, metadata=meta)
+    return tensors, meta
 
 
 def metadata(blob: bytes) -> dict[str, str]:

@@ -55,6 +55,7 @@ class LoopResult:
     bytes_sent: int = 0
     seconds: float = 0.0
     train_seconds: float = 0.0
+    active_seconds: float = 0.0  # from start to the end of the last step (no resume, no final wait)
     resume_point: dict = field(default_factory=dict)
 
 
@@ -76,6 +77,7 @@ class LearnerLoop:
         self.speed_factor = max(0.01, min(1.0, float(speed_factor)))
         self.clock = clock
         self.final_wait = final_wait
+        self.hang_after = max(60.0, 20 * heartbeat_interval)
         if decode_global is None:
             from trainer.protocol import GlobalFragment
 
@@ -184,36 +186,73 @@ class LearnerLoop:
     def checkpoint(self) -> None:
         state = {"state": self.learner.state_dict(), "frag_pos": dict(self.frag_pos),
                  "tokens": int(self.learner.tokens), "incarnation": self.incarnation}
-        # Snapshot tensors now (the loop keeps training); serialise in the writer thread.
-        blob = codec.pack(state)
-        self.writer.put(keys.learner_ckpt_key(self.job, self.index, self.incarnation), blob)
+        # Copy the tensors now (the loop keeps training); serialise in the writer thread.
+        tensors, meta = codec.encode(state)
+        self.writer.put(keys.learner_ckpt_key(self.job, self.index, self.incarnation),
+                        lambda: codec.save(tensors, meta))
+
+    # ------------------------------------------------------------------ heartbeat thread
+    def _stats(self, steps: int) -> dict[str, Any]:
+        now = self.clock()
+        self._tok_window.append((now, int(self.learner.tokens)))
+        self._tok_window = self._tok_window[-8:]
+        dt = self._tok_window[-1][0] - self._tok_window[0][0]
+        tps = (self._tok_window[-1][1] - self._tok_window[0][1]) / dt if dt > 0 else None
+        return {"step": int(getattr(self.learner, "inner_steps", steps)),
+                "tokens": int(self.learner.tokens), "loss": self.last_loss, "tokens_per_s": tps,
+                "staleness": self.staleness, "contributions": self.contributions,
+                "bytes_sent": self.bytes_sent, "writer_pending": self.writer.pending}
+
+    def _beat_once(self) -> None:
+        try:
+            ctl = self.host.heartbeat(self._latest_stats)
+        except Fenced as exc:
+            self._fenced = str(exc)
+            return
+        except Exception:
+            log.warning("heartbeat failed", exc_info=True)
+            return
+        self._ctl = ctl
+
+    def _beat_loop(self) -> None:
+        """Liveness and control off the training thread (a slow DB never slows a step), but only
+        while training advances: a hung loop stops the stamps and the watchdog takes over."""
+        while not self._beat_stop.wait(self.heartbeat_interval):
+            if self.clock() - self._last_progress > self.hang_after:
+                continue
+            self._beat_once()
+            if self._fenced:
+                return
+        close = getattr(self.host, "close", None)
+        if close:
+            close()
 
     # ------------------------------------------------------------------ main loop
     def run(self, max_seconds: float | None = None) -> LoopResult:
+        import threading
+
         t_start = self.clock()
-        next_hb = t_start
         next_poll = t_start + self.poll_interval
         last_ckpt = t_start
         steps = 0
         train_s = 0.0
-        tok_window: list[tuple[float, int]] = [(t_start, int(self.learner.tokens))]
+        self._tok_window = [(t_start, int(self.learner.tokens))]
+        self._latest_stats = self._stats(0)
+        self._last_progress = t_start
+        self._ctl = None
+        self._fenced = None
+        self._beat_once()  # first sign of life before the first step
+        self._beat_stop = threading.Event()
+        beat = threading.Thread(target=self._beat_loop, name=f"heartbeat-{self.index}", daemon=True)
+        beat.start()
+        last_stats = t_start
         result = LoopResult(outcome="done")
         try:
             while True:
-                now = self.clock()
-                if now >= next_hb:
-                    tok_window.append((now, int(self.learner.tokens)))
-                    tok_window = tok_window[-8:]
-                    dt = tok_window[-1][0] - tok_window[0][0]
-                    tps = (tok_window[-1][1] - tok_window[0][1]) / dt if dt > 0 else None
-                    ctl = self.host.heartbeat({
-                        "step": int(getattr(self.learner, "inner_steps", steps)),
-                        "tokens": int(self.learner.tokens), "loss": self.last_loss,
-                        "tokens_per_s": tps, "staleness": self.staleness,
-                        "contributions": self.contributions, "bytes_sent": self.bytes_sent,
-                        "writer_pending": self.writer.pending,
-                    })
-                    next_hb = now + self.heartbeat_interval
+                if self._fenced:
+                    raise Fenced(self._fenced)
+                ctl, self._ctl = self._ctl, None
+                if ctl is not None:
                     if ctl.work_size:
                         self.learner.set_work_size(int(ctl.work_size))
                     if ctl.stop or ctl.handoff:
@@ -221,7 +260,9 @@ class LearnerLoop:
                         result.outcome = "handoff" if ctl.handoff else "stopped"
                         result.reason = ctl.reason
                         break
+                now = self.clock()
                 if getattr(self.learner, "done", False):
+                    result.active_seconds = now - t_start
                     self.finish()
                     result.outcome = "done"
                     break
@@ -231,18 +272,22 @@ class LearnerLoop:
                     break
                 t0 = self.clock()
                 res = self.learner.step()
-                dt = self.clock() - t0
-                train_s += dt
+                t1 = self.clock()
+                train_s += t1 - t0
                 steps += 1
+                self._last_progress = t1
                 self.last_loss = float(res.loss)
                 if self.speed_factor < 1.0:
-                    time.sleep(dt * (1.0 / self.speed_factor - 1.0))
+                    time.sleep((t1 - t0) * (1.0 / self.speed_factor - 1.0))
                 if self.push_due() and self.clock() - last_ckpt >= self.checkpoint_interval:
                     self.checkpoint()
                     last_ckpt = self.clock()
                 if self.clock() >= next_poll:
                     self.poll_globals()
                     next_poll = self.clock() + self.poll_interval
+                if t1 - last_stats >= self.heartbeat_interval / 2:
+                    self._latest_stats = self._stats(steps)
+                    last_stats = t1
         except Fenced as exc:
             result.outcome = "fenced"
             result.reason = str(exc)
@@ -253,6 +298,15 @@ class LearnerLoop:
                     self.writer.q.task_done()
                 except Exception:
                     break
+        finally:
+            self._beat_stop.set()
+        if result.outcome != "fenced":
+            # last word: final counters (the host marks the learner's end state itself)
+            self._latest_stats = self._stats(steps)
+            beat.join(timeout=10)
+            self._beat_once()
+        else:
+            beat.join(timeout=10)
         self.writer.close(timeout=60)
         result.steps = steps
         result.tokens = int(self.learner.tokens)
