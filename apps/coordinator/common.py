@@ -56,7 +56,10 @@ def train_config(job):
     from trainer.config import TrainConfig
 
     spec = job_spec(job)
-    return TrainConfig.from_spec(spec, cache_dir=default_cache_dir())
+    extra = {}
+    if spec.strategy == "diloco":  # synchronous DiLoCo: every outer step waits for all learners
+        extra["quorum"] = spec.learners
+    return TrainConfig.from_spec(spec, cache_dir=default_cache_dir(), **extra)
 
 
 def default_cache_dir() -> str:

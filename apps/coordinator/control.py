@@ -94,6 +94,8 @@ def dispatch_pending(job: Job) -> int:
             avoid = {learner.pool.slug} if off else set()
             target = choose_pool(learner, avoid)
         if target is None:
+            if shrink(job, learner):
+                continue
             log.info("job %s learner %s: no free slot anywhere, waiting", job.pk, learner.index)
             continue
         moved = learner.pool_id and learner.pool_id != target.pk
@@ -253,7 +255,7 @@ def rebalance() -> dict:
             sizes = resize_work({lr.index: lr.tokens_per_s for lr in running}, spec.inner_steps)
             for lr in running:
                 new = sizes.get(lr.index)
-                if new and lr.work_size and abs(new - lr.work_size) >= max(1, lr.work_size // 10):
+                if new and lr.work_size and abs(new - lr.work_size) >= max(2, lr.work_size // 4):
                     Learner.objects.filter(pk=lr.pk).update(work_size=new)
                     event(job, Event.Kind.REBALANCED,
                           f"learner {lr.index} work size {lr.work_size} → {new} "
@@ -291,16 +293,41 @@ def rebalance() -> dict:
                       {"learner": lr.index, "from": mv.from_pool, "to": mv.to_pool, "reason": reason,
                        **{k: v for k, v in vars(mv).items() if isinstance(v, int | float | str)}})
                 out["moves"] += 1
+        elastic(job, spec)
     return out
 
 
+def shrink(job: Job, learner: Learner) -> bool:
+    """Capacity shrank (no slot anywhere for a pending learner): drop it while the job keeps at
+    least min_learners; its data shard is simply not read further."""
+    spec = job_spec(job)
+    if not spec.min_learners:
+        return False
+    alive = job.learners.exclude(state__in=(Learner.State.REMOVED, Learner.State.DONE)).count()
+    if alive <= (spec.min_learners or spec.learners):
+        return False
+    n = Learner.objects.filter(pk=learner.pk, state=Learner.State.PENDING).update(state=Learner.State.REMOVED)
+    if n:
+        event(job, Event.Kind.LEFT, f"learner {learner.index} removed: no capacity "
+              f"({alive - 1} learners left, min {spec.min_learners})",
+              {"learner": learner.index, "learners": alive - 1, "min": spec.min_learners,
+               "reason": "capacity shrank"})
+    return bool(n)
+
+
 def elastic(job: Job, spec) -> None:
+    """Grow towards max_learners while slots are free (new learners start from the newest
+    global weights; the data is sharded max_learners ways from the start)."""
     if not spec.max_learners or spec.max_learners <= spec.learners:
         return
-    current = job.learners.exclude(state=Learner.State.REMOVED).count()
-    if current >= spec.max_learners:
+    if job.outer_steps < 1:
+        return
+    current = job.learners.exclude(state__in=(Learner.State.REMOVED, Learner.State.DONE)).count()
+    if current >= spec.max_learners or job.learners.count() >= spec.max_learners:
         return
     free = free_slots()
+    if spec.pools:
+        free = {k: v for k, v in free.items() if k in spec.pools}
     if sum(free.values()) <= 0:
         return
     index = job.learners.count()

@@ -180,7 +180,10 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
 
     config = train_config(job)
     data = corpus(config.dataset, config.cache_dir)
-    engine = EngineLearner(config, index, incarnation=incarnation, corpus=data, job=str(job_id))
+    spec = job.spec
+    shards = max(int(spec.get("max_learners") or 0), int(spec.get("learners") or 1), index + 1)
+    engine = EngineLearner(config, index, incarnation=incarnation, corpus=data, job=str(job_id),
+                           num_learners=shards)
     if learner.work_size:
         engine.set_work_size(learner.work_size)
     host = DjangoHost(learner, incarnation, worker)
