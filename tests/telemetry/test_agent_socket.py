@@ -23,31 +23,24 @@ async def _flush():
 
 # -- auth -------------------------------------------------------------------------------------------
 
-async def test_missing_token_closes_4401(db):
-    comm, first = await agent(None)
-    assert first["type"] == "error" and first["code"] == "unauthorized"
-    code, _ = await expect_close(comm)
-    assert code == 4401
-
-
-async def test_invalid_and_revoked_tokens_close_4401(pool_a, token_a):
-    comm, first = await agent("pt_nope_" + "x" * 20)
-    assert first["code"] == "unauthorized"
-    assert (await expect_close(comm))[0] == 4401
-
-    revoke = PoolToken.objects.filter(pool=pool_a)
-    await sync_to_async(lambda: revoke.update(revoked_at="2026-01-01T00:00Z"))()
-    comm, first = await agent(token_a)
-    assert first["code"] == "unauthorized"
-    assert (await expect_close(comm))[0] == 4401
-
-
-async def test_pool_token_in_header_or_query(pool_a, token_a):
+async def test_agent_auth(pool_a, token_a):
+    # no token, a wrong one: 4401 with the reason in an error frame first
+    for token in (None, "pt_nope_" + "x" * 20):
+        comm, first = await agent(token)
+        assert first["type"] == "error" and first["code"] == "unauthorized" and first["fatal"]
+        assert (await expect_close(comm))[0] == 4401
+    # a pool token in the header or the query string
     for query in (False, True):
         comm, hello = await agent(token_a, query=query)
         assert hello == {"type": "hello", "role": "pool", "pool": "tele-a", "max_frame_bytes": 65536,
                          "heartbeat_interval_s": hello["heartbeat_interval_s"]}
         await comm.disconnect()
+    # revoked
+    revoke = PoolToken.objects.filter(pool=pool_a)
+    await sync_to_async(lambda: revoke.update(revoked_at="2026-01-01T00:00Z"))()
+    comm, first = await agent(token_a)
+    assert first["code"] == "unauthorized"
+    assert (await expect_close(comm))[0] == 4401
 
 
 async def test_coordinator_token(coord_token, settings):
@@ -242,15 +235,19 @@ BAD_FRAMES = {
 async def test_malformed_frames_close_4400_others_keep_working(job, token_a):
     bystander, _ = await agent(token_a)
     reasons = {}
-    for name, frame in BAD_FRAMES.items():
+    malformed_before = STATS["malformed"]
+    for name, frame in [*BAD_FRAMES.items(), ("binary", b"\x00\x01")]:
         comm, _ = await agent(token_a)
-        await comm.send_to(text_data=frame)
+        if isinstance(frame, bytes):
+            await comm.send_to(bytes_data=frame)
+        else:
+            await comm.send_to(text_data=frame)
         code, msgs = await expect_close(comm)
         assert code == 4400, name
         err = msgs[-1]
         assert err["type"] == "error" and err["code"] == "malformed" and err["fatal"], name
         reasons[name] = err["reason"]
-        await bystander.send_json_to(hb(job, tokens=len(reasons)))
+        await bystander.send_json_to(hb(job, tokens=len(reasons)))  # still served
         assert (await until(bystander, lambda m: m["type"] in ("ack", "error")))["type"] == "ack", name
     # the reasons say what was wrong
     assert "invalid JSON" in reasons["not json"]
@@ -260,16 +257,11 @@ async def test_malformed_frames_close_4400_others_keep_working(job, token_a):
     assert "unknown message type" in reasons["unknown type"]
     assert "unknown field(s) x" in reasons["unknown field"]
     assert "out of range" in reasons["huge number"]
+    assert "binary frames are not accepted" in reasons["binary"]
+    assert STATS["malformed"] == malformed_before + len(BAD_FRAMES) + 1
     await bystander.disconnect()
     await _flush()
-    assert (await sync_to_async(Learner.objects.get)(job=job, index=0)).tokens == len(BAD_FRAMES)
-
-
-async def test_binary_frame_closes_4400(token_a):
-    comm, _ = await agent(token_a)
-    await comm.send_to(bytes_data=b"\x00\x01")
-    code, msgs = await expect_close(comm)
-    assert code == 4400 and "binary" in msgs[-1]["reason"]
+    assert (await sync_to_async(Learner.objects.get)(job=job, index=0)).tokens == len(BAD_FRAMES) + 1
 
 
 async def test_ack_before_close_points_at_the_offender(job, token_a):
@@ -370,14 +362,6 @@ async def test_coordinator_publish_and_fleet_events(job, coord_token, token_a, p
     assert await fleet.receive_nothing(0.2)
     for c in (comm, coord, fleet):
         await c.disconnect()
-
-
-async def test_stats_count_malformed(token_a):
-    before = STATS["malformed"]
-    comm, _ = await agent(token_a)
-    await comm.send_to(text_data="nope")
-    await expect_close(comm)
-    assert STATS["malformed"] == before + 1
 
 
 async def test_heartbeat_never_moves_tokens_backwards(job, token_a):
