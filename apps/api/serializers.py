@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
+from rest_framework.validators import UniqueValidator
 
 from apps.inventory.models import AcceleratorType, Node, Pool
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
@@ -34,7 +35,8 @@ class StrictSerializerMixin:
 # --- inventory -----------------------------------------------------------------------------
 
 class AcceleratorTypeSerializer(StrictSerializerMixin, serializers.ModelSerializer):
-    slug = serializers.RegexField(_SLUG, max_length=40)
+    slug = serializers.RegexField(_SLUG, max_length=40, validators=[
+        UniqueValidator(AcceleratorType.objects.all(), message="An accelerator type with this slug exists.")])
     year = serializers.IntegerField(min_value=1990, max_value=2100)
     memory_gib = serializers.FloatField(min_value=0, max_value=1e6)
     peak_bf16_tflops = serializers.FloatField(min_value=0, max_value=1e7)
@@ -47,7 +49,8 @@ class AcceleratorTypeSerializer(StrictSerializerMixin, serializers.ModelSerializ
 
 
 class PoolSerializer(StrictSerializerMixin, serializers.ModelSerializer):
-    slug = serializers.RegexField(_SLUG, max_length=40)
+    slug = serializers.RegexField(_SLUG, max_length=40, validators=[
+        UniqueValidator(Pool.objects.all(), message="A pool with this slug exists.")])
     accelerator = serializers.SlugRelatedField(slug_field="slug", queryset=AcceleratorType.objects.all())
     device_count = serializers.IntegerField(min_value=0, max_value=1_000_000)
     cost_per_device_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0,

@@ -43,6 +43,8 @@ def test_write_is_staff_only(as_alice, as_staff, accel):
     assert r.status_code == 403 and r.json()["detail"] == "Only staff may change the fleet."
     r = as_staff.post("/api/v1/pools/", NEW_POOL, format="json")
     assert r.status_code == 201, r.content
+    created = r.json()
+    assert created["nodes_online"] == 0 and created["learners_running"] == 0 and created["state"] == "active"
     assert Pool.objects.get(slug="pool-new").device_count == 8
     assert as_alice.patch("/api/v1/pools/pool-new/", {"device_count": 1}, format="json").status_code == 403
     r = as_staff.patch("/api/v1/pools/pool-new/", {"device_count": 1}, format="json")
@@ -84,3 +86,14 @@ def test_nodes_staff_edit(as_staff, as_alice, pool_a, pool_b):
     r = as_staff.patch(f"/api/v1/nodes/{n.pk}/", {"state": "draining", "pool": "pool-b"}, format="json")
     assert r.status_code == 200 and r.json()["pool"] == "pool-b"
     assert as_staff.delete(f"/api/v1/nodes/{n.pk}/").status_code == 204
+
+
+def test_duplicate_slugs_are_400_not_500(as_staff, pool_a, accel):
+    r = as_staff.post("/api/v1/pools/", {**NEW_POOL, "slug": "pool-a"}, format="json")
+    assert r.status_code == 400 and r.json()["errors"]["slug"] == ["A pool with this slug exists."]
+    body = {"slug": "test-cpu", "vendor": "V", "model": "M", "kind": "cpu", "generation": "g", "year": 2024,
+            "memory_gib": 1, "peak_bf16_tflops": 1, "tdp_watts": 1}
+    r = as_staff.post("/api/v1/accelerator-types/", body, format="json")
+    assert r.status_code == 400 and "slug" in r.json()["errors"]
+    r = as_staff.patch("/api/v1/pools/pool-a/", {"slug": "pool-a"}, format="json")  # its own slug is fine
+    assert r.status_code == 200

@@ -1,6 +1,7 @@
 """Accelerator types, pools and nodes: everyone signed in reads, staff write."""
 from __future__ import annotations
 
+from django.db import IntegrityError, transaction
 from django.db.models import Count, ProtectedError, Q
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import filters, viewsets
@@ -17,6 +18,18 @@ from .common import SafeQueryMixin, publish_fleet
 
 
 class _ProtectedDestroyMixin:
+    """Integrity problems (a race on a unique slug, a row still in use) are 409s, not 500s."""
+
+    def perform_create(self, serializer):
+        try:
+            with transaction.atomic():
+                serializer.save()
+        except IntegrityError as exc:
+            raise Conflict(f"Conflicts with an existing record: {str(exc).splitlines()[0][:200]}") from None
+
+    def perform_update(self, serializer):
+        self.perform_create(serializer)
+
     def perform_destroy(self, instance):
         try:
             instance.delete()
@@ -66,6 +79,18 @@ class PoolViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.ModelViewSet)
             qs = qs.filter(provider=params["provider"])
         return qs.order_by("slug")
 
+    def _annotated(self, response):
+        """Answer writes with the same annotated row a GET returns."""
+        if response.status_code < 300 and isinstance(response.data, dict) and "id" in response.data:
+            response.data = self.get_serializer(self.get_queryset().get(pk=response.data["id"])).data
+        return response
+
+    def create(self, request, *args, **kwargs):
+        return self._annotated(super().create(request, *args, **kwargs))
+
+    def update(self, request, *args, **kwargs):
+        return self._annotated(super().update(request, *args, **kwargs))
+
     def _set_state(self, request, state: str, kind: str):
         pool = self.get_object()
         previous = pool.state
@@ -96,7 +121,7 @@ class PoolViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.ModelViewSet)
     OpenApiParameter("pool", str, description="pool slug"),
     OpenApiParameter("state", str, enum=[c for c, _ in Node.State.choices]),
 ]))
-class NodeViewSet(SafeQueryMixin, viewsets.ModelViewSet):
+class NodeViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.ModelViewSet):
     """Worker hosts (they register themselves; staff may edit or remove them)."""
 
     serializer_class = s.NodeSerializer
