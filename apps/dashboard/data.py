@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from django.db import connection, transaction
-from django.db.models import Count, Max, Min, Q, QuerySet, Sum
+from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
 from apps.inventory.models import Node, Pool
@@ -28,64 +28,124 @@ def visible_jobs(user) -> QuerySet[Job]:
     return qs if user.is_staff else qs.filter(owner=user)
 
 
-def downsample(job_ids: Iterable[int], names: Iterable[str], buckets: int = 200) -> dict:
+def _ends_sql(job_ids: list[int], names: list[str], recent: int | None) -> tuple[str, list]:
+    """One query of index probes on (job, name, time): per series, the step of its first
+    (or `recent`-th newest) and newest point, and the time where the window starts."""
+    qn = connection.ops.quote_name
+    t, tm = qn(MetricPoint._meta.db_table), qn("time")
+    # identifiers only; every value is a %s placeholder
+    probe = "(SELECT {col} FROM " + t + " WHERE job_id = %s AND name = %s ORDER BY " + tm  # noqa: S608
+    probe += " {order} LIMIT 1{off})"
+    parts, params = [], []
+    for j in job_ids:
+        for n in names:
+            first = probe.format(col="step", order="ASC", off="")
+            last = probe.format(col="step", order="DESC", off="")
+            if recent:
+                win = probe.format(col="step", order="DESC", off=f" OFFSET {int(recent) - 1}")
+                cut = probe.format(col=tm, order="DESC", off=f" OFFSET {int(recent) - 1}")
+                parts.append(f"SELECT %s, %s, {first}, {last}, {win}, {cut}")
+                params += [j, n, j, n, j, n, j, n, j, n]
+            else:
+                parts.append(f"SELECT %s, %s, {first}, {last}, NULL, NULL")
+                params += [j, n, j, n, j, n]
+    return " UNION ALL ".join(parts), params
+
+
+def downsample(job_ids: Iterable[int], names: Iterable[str], buckets: int = 200,
+               recent: int | None = None) -> dict:
     """{job_id: {name: [(tokens, unix_time, value), ...]}} with at most `buckets` points per series.
 
-    Two queries in all, whatever the number of points: the step (token) range of each job,
-    then one aggregate where a point's bucket is its position in its job's step range.
-    Inside a bucket each learner's points are averaged first; then a SUMMED series adds
-    the learners up (per-learner tokens/s become the job's tokens/s) and the others take
-    the mean over learners. Both levels are hash aggregates (no sort, no DISTINCT), so
-    100k points of one job aggregate in tens of milliseconds.
+    Two queries in all, whatever the number of points:
+    1. index probes on (job, name, time) for the ends of each series (no scan), giving each
+       job's token range (with `recent`, only the newest `recent` points of each series
+       are kept: the overview's sparklines cost the same for a job of any age);
+    2. one hash aggregate over (job, name, learner, bucket), where a point's bucket is its
+       position in its job's token range.
+    Python then folds learners together: within a bucket each learner's points are
+    averaged; a SUMMED series adds the learners up (per-learner tokens/s make the job's
+    tokens/s), the others take the mean over learners.
     """
     job_ids = [int(j) for j in job_ids]
     names = list(names)
     out: dict[int, dict[str, list[tuple[int, float, float]]]] = {j: {} for j in job_ids}
     if not job_ids or not names:
         return out
-    base = MetricPoint.objects.filter(job_id__in=job_ids, name__in=names)
-    ranges = {
-        r["job_id"]: (r["lo"], r["hi"])
-        for r in base.values("job_id").annotate(lo=Min("step"), hi=Max("step")).order_by()
-    }
-    if not ranges:
-        return out
-    table = MetricPoint._meta.db_table
     qn = connection.ops.quote_name
-    case_sql, params = [], []
-    for jid, (lo, hi) in ranges.items():
-        case_sql.append("WHEN %s THEN (step - %s) * %s / %s")
-        params += [jid, lo, buckets - 1, max(hi - lo, 1)]
-    # epoch seconds of the bucket's last point, converted once per bucket (not per row)
-    epoch = ("EXTRACT(EPOCH FROM MAX(t))" if connection.vendor == "postgresql"
-             else "CAST(strftime('%%s', MAX(t)) AS REAL)" if connection.vendor == "sqlite"
-             else "UNIX_TIMESTAMP(MAX(t))")
-    jobs_in = ", ".join(["%s"] * len(ranges))
-    names_in = ", ".join(["%s"] * len(names))
-    # Only %s placeholders and quoted identifiers are formatted into the text.
-    sql = f"""
-        SELECT job_id, name, bucket, AVG(x), {epoch}, AVG(y), SUM(y)
-        FROM (
-            SELECT job_id, name, learner_id, CASE job_id {' '.join(case_sql)} ELSE 0 END AS bucket,
-                   AVG(step) AS x, MAX({qn("time")}) AS t, AVG(value) AS y
-            FROM {qn(table)}
-            WHERE job_id IN ({jobs_in}) AND name IN ({names_in})
-            GROUP BY job_id, name, learner_id, bucket
-        ) per_learner
-        GROUP BY job_id, name, bucket
-        ORDER BY job_id, name, bucket
-    """  # noqa: S608
-    params += list(ranges) + names
+    table, tm = qn(MetricPoint._meta.db_table), qn("time")
+    ends_sql, ends_params = _ends_sql(job_ids, names, recent)
+    ranges: dict[int, list[int]] = {}
+    windows: list[tuple[int, str, object]] = []  # (job, name, cutoff time or None)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        if connection.vendor == "postgresql":
-            # The planner cannot estimate the bucket count and would sort 100k rows on disk
-            # under the default 4 MB; a little more memory for this one query keeps it a
-            # hash aggregate (or an in-memory sort). SET LOCAL ends with the transaction.
+        steer = connection.vendor == "postgresql"
+        if steer:
+            # Both queries are shaped for the (job, name, time) index and a hash aggregate,
+            # but the planner cannot estimate the bucket count, and rows of a job newer
+            # than the last ANALYZE look like one row: it would pick the job_id index plus
+            # a sort (100k rows, on disk under the default 4 MB). Steer it for these two
+            # queries only: SET LOCAL ends with this transaction.
+            cur.execute("SET LOCAL enable_sort = off")
             cur.execute("SET LOCAL work_mem = '64MB'")
+        cur.execute(ends_sql, ends_params)
+        for job_id, name, first, last, win_first, cutoff in cur.fetchall():
+            if last is None:
+                continue
+            lo = win_first if win_first is not None else first
+            r = ranges.setdefault(int(job_id), [lo, last])
+            r[0], r[1] = min(r[0], lo, last), max(r[1], lo, last)
+            windows.append((int(job_id), name, cutoff))
+        if not ranges:
+            if steer:
+                cur.execute("SET LOCAL enable_sort TO DEFAULT")
+                cur.execute("SET LOCAL work_mem TO DEFAULT")
+            return out
+        case_sql, params = [], []
+        for jid, (lo, hi) in ranges.items():
+            case_sql.append("WHEN %s THEN (step - %s) * %s / %s")
+            params += [jid, lo, buckets - 1, max(hi - lo, 1)]
+        if recent:
+            # one index range per series: only its newest `recent` points are read
+            conds = []
+            for jid, name, cutoff in windows:
+                if cutoff is None:
+                    conds.append("(job_id = %s AND name = %s)")
+                    params += [jid, name]
+                else:
+                    conds.append(f"(job_id = %s AND name = %s AND {tm} >= %s)")
+                    params += [jid, name, cutoff]
+            where = "(" + " OR ".join(conds) + ")"
+        else:
+            where = "job_id IN ({}) AND name IN ({})".format(", ".join(["%s"] * len(ranges)),
+                                                            ", ".join(["%s"] * len(names)))
+            params += list(ranges) + names
+        epoch = ("EXTRACT(EPOCH FROM MAX({t}))" if connection.vendor == "postgresql"
+                 else "CAST(strftime('%%s', MAX({t})) AS REAL)").format(t=tm)
+        # Only %s placeholders and quoted identifiers are formatted into the text.
+        sql = f"""
+            SELECT job_id, name, learner_id, CASE job_id {' '.join(case_sql)} ELSE 0 END AS bucket,
+                   MAX(step), {epoch}, AVG(value), COUNT(*)
+            FROM {table}
+            WHERE {where}
+            GROUP BY job_id, name, learner_id, bucket
+        """  # noqa: S608
         cur.execute(sql, params)
-        for job_id, name, _bucket, x, t, mean, total in cur.fetchall():
-            y = total if name in SUMMED else mean
-            out[job_id].setdefault(name, []).append((int(x), float(t), float(y)))
+        rows = cur.fetchall()
+        if steer:  # inside an outer transaction, leave the planner as we found it
+            cur.execute("SET LOCAL enable_sort TO DEFAULT")
+            cur.execute("SET LOCAL work_mem TO DEFAULT")
+    # (job, name, bucket) -> learner -> [sum of values, count]; plus the bucket's last x and t
+    acc: dict[tuple, dict] = {}
+    for job_id, name, learner_id, bucket, x, t, mean, n in rows:
+        b = min(max(int(bucket), 0), buckets - 1)  # points outside the probed range go to the ends
+        a = acc.setdefault((job_id, name, b), {"x": x, "t": t, "l": {}})
+        a["x"], a["t"] = max(a["x"], x), max(a["t"], t)
+        s = a["l"].setdefault(learner_id, [0.0, 0])
+        s[0] += mean * n
+        s[1] += n
+    for (job_id, name, _b), a in sorted(acc.items(), key=lambda kv: kv[0]):
+        means = [v / n for v, n in a["l"].values()]
+        y = sum(means) if name in SUMMED else sum(means) / len(means)
+        out[job_id].setdefault(name, []).append((int(a["x"]), float(a["t"]), float(y)))
     return out
 
 

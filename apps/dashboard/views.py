@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 JOB_CHART_BUCKETS = 300
 SPARK_BUCKETS = 40
+SPARK_RECENT = 2000  # sparklines show the newest points of each series
 SPARK_JOBS = 12
 TIMELINE_LIMIT = 200
 OUTER_STEPS_FOR_HEALTH = 50
@@ -53,7 +54,8 @@ def overview(request):
     jobs = data.visible_jobs(request.user)
     running = list(jobs.filter(status__in=data.ACTIVE).select_related("owner")
                    .order_by("-started_at", "-created_at")[:SPARK_JOBS])
-    series = data.downsample([j.pk for j in running], ["train_loss", "goodput"], SPARK_BUCKETS)
+    series = data.downsample([j.pk for j in running], ["train_loss", "goodput"], SPARK_BUCKETS,
+                             recent=SPARK_RECENT)
     for j in running:
         s = series.get(j.pk, {})
         j.loss_points = [v for _, _, v in s.get("train_loss", [])]

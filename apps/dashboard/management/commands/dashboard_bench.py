@@ -62,6 +62,12 @@ class Command(BaseCommand):
                 (f"job detail ({points // 1000}k pts in 1 job)", f"/jobs/{hot.pk}/"),
                 ("job series.json (same job)", f"/jobs/{hot.pk}/series.json"),
             ]
+            if connection.vendor == "postgresql":
+                # Fresh statistics, as autovacuum keeps them on a live database (the seeded
+                # rows are uncommitted, so autovacuum cannot see them here).
+                with connection.cursor() as cur:
+                    for model in ("jobs_metricpoint", "jobs_job", "jobs_learner", "jobs_event"):
+                        cur.execute(f"ANALYZE {connection.ops.quote_name(model)}")
             client = Client()
             client.force_login(user)
             for label, url in pages:
