@@ -87,7 +87,8 @@ def bench(stack, owner):
     # raw blob-store transfer of one outer step's bytes (one contribution in, one fragment out)
     store = open_store(stack.blob_store_url)
     commits = max(1, sync.payload["commits_this_epoch"])
-    per_step_bytes = sync.payload["bytes_in"] // commits
+    # one outer step moves one contribution in and one global fragment out (1 learner, P=1)
+    per_step_bytes = sync.payload["bytes_in"] // max(1, sync.payload["accepted"])
     blob = b"x" * per_step_bytes
     t0 = time.perf_counter()
     for i in range(20):
