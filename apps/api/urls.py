@@ -3,6 +3,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from .views import agent, auth, checkpoints, inventory, jobs
+from .views.common import not_found
 
 router = DefaultRouter()
 router.register("accelerator-types", inventory.AcceleratorTypeViewSet, basename="acceleratortype")
@@ -21,6 +22,7 @@ v1 = [
     re_path(r"^agent/jobs/(?P<job_id>[0-9]+)/learners/(?P<index>[0-9]+)/$",
             agent.AssignmentView.as_view(), name="agent-assignment"),
     path("", include(router.urls)),
+    re_path(r"^.*$", not_found),  # JSON 404 for every other /api/v1/ path
 ]
 
 urlpatterns = [

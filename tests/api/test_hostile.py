@@ -113,3 +113,12 @@ def test_huge_numbers_on_inventory(as_staff, pool_a):
         r = as_staff.patch("/api/v1/pools/pool-a/", body, format="json")
         assert r.status_code == 400, (body, r.content)
         assert set(r.json()["errors"]) == set(body)
+
+
+def test_unknown_api_paths_are_json_404(as_alice, anon):
+    r = as_alice.get("/api/v1/no-such-thing/")
+    assert r.status_code == 404 and r.json()["errors"] == {"detail": ["Not found."]}
+    r = anon.post("/api/v1/jobs", {"spec": {}}, format="json")
+    assert r.status_code == 404 and "trailing slash" in r.json()["detail"]
+    r = as_alice.get("/api/v1/jobs?status=running")
+    assert r.status_code == 301 and r["Location"] == "/api/v1/jobs/?status=running"

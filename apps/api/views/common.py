@@ -50,3 +50,24 @@ def publish_fleet(msg: dict) -> None:
         return
     with contextlib.suppress(Exception):  # telemetry must never break an API call
         publish(msg)
+
+
+def not_found(request, *args, **kwargs):
+    """404 in the API's error shape for paths no route matches (with a hint for a missing slash)."""
+    from django.http import JsonResponse
+    from django.urls import Resolver404, resolve
+
+    detail = "Not found."
+    if not request.path.endswith("/"):
+        try:
+            match = resolve(request.path + "/")
+        except Resolver404:
+            match = None
+        if match is not None and match.func is not not_found:
+            if request.method in ("GET", "HEAD"):  # what CommonMiddleware's APPEND_SLASH would do
+                from django.http import HttpResponsePermanentRedirect
+
+                query = request.META.get("QUERY_STRING", "")
+                return HttpResponsePermanentRedirect(request.path + "/" + (f"?{query}" if query else ""))
+            detail = f"Not found. Did you mean {request.path}/ (with a trailing slash)?"
+    return JsonResponse({"detail": detail, "errors": {"detail": [detail]}}, status=404)
