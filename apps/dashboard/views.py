@@ -206,9 +206,14 @@ def _empty_health() -> dict:
     return {"n": 0, "norm": 0.0, "cos": 0.0, "ncos": 0, "last_norm": None, "last_cos": None}
 
 
-def _contribution_health(job: Job, learners: list[Learner]) -> tuple[list[dict], int]:
-    steps = list(OuterStep.objects.filter(job=job).order_by("-created_at")
-                 .values_list("contributors", flat=True)[:OUTER_STEPS_FOR_HEALTH])
+def _recent_outer_steps(job: Job) -> list[dict]:
+    return list(OuterStep.objects.filter(job=job).order_by("-created_at").values(
+        "fragment", "version", "contributors", "merged_norm", "duration_s", "created_at")
+        [:OUTER_STEPS_FOR_HEALTH])
+
+
+def _contribution_health(outer_steps: list[dict], learners: list[Learner]) -> tuple[list[dict], int]:
+    steps = [s["contributors"] for s in outer_steps]
     acc: dict[int, dict] = defaultdict(_empty_health)
     for contributors in reversed(steps):  # oldest first, so "last" is the newest
         for c in contributors or []:
@@ -238,13 +243,33 @@ def _contribution_health(job: Job, learners: list[Learner]) -> tuple[list[dict],
     return rows, len(steps)
 
 
-def _timeline(job: Job) -> list[dict]:
+def _reason(payload) -> str:
+    if not isinstance(payload, dict):
+        return ""
+    parts = []
+    if payload.get("reason"):
+        parts.append(str(payload["reason"]))
+    if isinstance(payload.get("reasons"), list):
+        parts += [str(r) for r in payload["reasons"][:5]]
+    return "; ".join(parts)[:500]
+
+
+def _timeline(job: Job, outer_steps: list[dict]) -> list[dict]:
     items = [
-        {"time": e.time, "kind": e.kind, "message": e.message,
-         "reason": (e.payload or {}).get("reason", "") if isinstance(e.payload, dict) else "",
+        {"time": e.time, "kind": e.kind, "message": e.message, "reason": _reason(e.payload),
          "pool": e.pool.slug if e.pool else ""}
         for e in Event.objects.filter(job=job).select_related("pool").order_by("-time")[:TIMELINE_LIMIT]
     ]
+    for o in outer_steps:
+        contributors = o["contributors"] or []
+        items.append({
+            "time": o["created_at"], "kind": "outer-step",
+            "message": f"fragment {o['fragment']} → v{o['version']}: merged {len(contributors)} "
+                       f"contribution{'s' if len(contributors) != 1 else ''}, norm {o['merged_norm']:.3g}",
+            "reason": f"merge took {o['duration_s']:.2f} s; learners "
+                      + ", ".join(str(c.get("learner")) for c in contributors if isinstance(c, dict)),
+            "pool": "",
+        })
     incidents = Incident.objects.filter(job=job).select_related("pool").order_by("-detected_at")[:50]
     for inc in incidents:
         heal = f", healed after {inc.time_to_heal_s:.1f} s" if inc.healed_at else ", not healed yet"
@@ -265,7 +290,8 @@ def job_detail(request, pk):
     series = data.downsample([job.pk], data.CHART_SERIES, JOB_CHART_BUCKETS)[job.pk]
     chart_data = {name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()}
     pools_here = sorted({lr.pool for lr in learners if lr.pool is not None}, key=lambda p: p.slug)
-    health, health_steps = _contribution_health(job, learners)
+    outer_steps = _recent_outer_steps(job)
+    health, health_steps = _contribution_health(outer_steps, learners)
     goodput = job.tokens_contributed / job.tokens_computed if job.tokens_computed else None
     return render(request, "dashboard/job.html", {
         "job": job,
@@ -273,7 +299,7 @@ def job_detail(request, pk):
         "learners": learners,
         "health": health,
         "health_steps": health_steps,
-        "timeline": _timeline(job),
+        "timeline": _timeline(job, outer_steps),
         "checkpoints": list(job.checkpoints.order_by("-version")[:50]),
         "chart_data": chart_data,
         "pools_here": pools_here,

@@ -227,7 +227,9 @@ function onEvent(msg) {
   const strong = document.createElement("strong");
   strong.textContent = msg.kind || "event";
   li.append(time, " ", strong, " ", msg.message || "");
-  const reason = msg.reason || (msg.payload && msg.payload.reason);
+  const p = msg.payload || {};
+  const reasons = [msg.reason || p.reason].concat(Array.isArray(p.reasons) ? p.reasons.slice(0, 5) : []);
+  const reason = reasons.filter(Boolean).join("; ");
   if (reason) {
     const sub = document.createElement("div");
     sub.className = "sub";

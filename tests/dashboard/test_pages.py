@@ -87,6 +87,7 @@ def test_job_page_contents(client, alice, job_factory):
     data = json.loads(body.split('<script id="chart-data" type="application/json">')[1].split("</script>")[0])
     assert 0 < len(data["train_loss"]) <= 300
     assert "worker killed" in body and "detected 3.0 s after" in body
+    assert "fragment 0 → v1: merged 2 contributions" in body  # outer steps on the timeline
     assert f"/jobs/{job.pk}/checkpoints/7/download" in body
     health = {h["learner"].index: h for h in resp.context["health"]}
     assert health[0]["healthy"] and not health[1]["healthy"]
