@@ -230,15 +230,22 @@ class Learner:
         if set(g.tensors) != set(names):
             raise ValueError(f"global fragment {p} does not hold this fragment's tensors")
         alpha = self.config.mix_alpha
-        ref = self._sent[p] if self._sent[p] is not None else self.base[p]
+        sent = self._sent[p]
         for n in names:
             new = g.tensors[n].to(self.device, dtype=torch.float32)
             param = self.params[n]
-            if alpha == 0:
-                param.copy_(new)
+            if sent is None:
+                ref = self.base[p][n]
+                mixed = (param.detach().float() - ref).mul_(alpha).add_(new)
             else:
-                mixed = (param.detach().float() - ref[n]).mul_(alpha).add_(new)
-                param.copy_(mixed)
+                # local_at_send + (g - (base - delta_sent)) + alpha * (local - local_at_send): equal to
+                # g + alpha * (local - local_at_send), written so that a global that only applied this
+                # learner's own contribution at lr 1 gives back its exact weights (no rounding drift)
+                ref = sent[n]
+                base = self.base[p][n]
+                expected = base - (base - ref)
+                mixed = (new - expected).add_(ref).add_((param.detach().float() - ref).mul_(alpha))
+            param.copy_(mixed)
             self.base[p][n] = new.clone()
         if self._sent[p] is not None:
             # keep counting only the progress made since the send
