@@ -387,7 +387,7 @@ def jobs_logs(
     """Events of a job (status changes, placements, merges, failures...), oldest first."""
     try:
         with _client(url, token) as c:
-            after = 0
+            after, ended = 0, False
             while True:
                 page = c.events(job_id, after=after, limit=500)
                 for ev in page["results"]:
@@ -401,8 +401,11 @@ def jobs_logs(
                 sys.stdout.flush()
                 if page.get("next"):
                     continue
-                if not follow or c.job(job_id)["status"] in TERMINAL:
+                if not follow or ended:
                     break
+                if c.job(job_id)["status"] in TERMINAL:
+                    ended = True  # one more round: events written as the job ended
+                    continue
                 time.sleep(poll)
     except (ApiError, ConnectError) as exc:
         raise _fail(exc, as_json) from None

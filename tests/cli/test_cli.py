@@ -239,3 +239,37 @@ def test_wait_shows_progress_then_exits_0(cli, alice):
     assert r.exit_code == 0, r.stderr
     assert "320/320 tok" in r.stderr and "loss 2.345" in r.stderr and f"#{job.pk}" in r.stderr
     assert "2.2000" in r.stdout  # the final table on stdout
+
+
+def test_logs_follow_until_the_end_and_pause_resume(cli, alice):
+    import threading
+    import time
+
+    job = _job(alice, "running")
+    Event.objects.create(job=job, kind="placed", message="first")
+
+    def later():
+        time.sleep(0.8)
+        Event.objects.create(job=job, kind="merged", message="second")
+        time.sleep(0.5)
+        Job.objects.filter(pk=job.pk).update(status="completed")
+        Event.objects.create(job=job, kind="status", message="running → completed")
+
+    th = threading.Thread(target=later)
+    th.start()
+    try:
+        r = cli("jobs", "logs", job.pk, "--follow", "--poll", "0.2")
+    finally:
+        th.join()
+    assert r.exit_code == 0
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert ["first" in lines[0], "second" in lines[1]] == [True, True]
+
+    other = _job(alice, "running")
+    code, body = cli.json("jobs", "pause", other.pk)
+    assert code == 0 and body["status"] == "pausing"
+    code, body = cli.json("jobs", "resume", other.pk)
+    assert code == 1 and "paused" in body["detail"]  # only a paused job resumes
+    Job.objects.filter(pk=other.pk).update(status="paused")
+    code, body = cli.json("jobs", "resume", other.pk)
+    assert code == 0 and body["status"] == "placing"
