@@ -53,6 +53,8 @@ KEEP = (
     "marks",
     "wall_s",
     "wall_limited",
+    "stuck",
+    "skipped_sends",
 )
 
 

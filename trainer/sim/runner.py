@@ -536,14 +536,24 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
         s.ckpt_steps = s.learner.inner_steps
         s.steps_since_ckpt = 0
 
-    def send_fragment_down(g, t: float) -> None:
+    downloading: set[tuple[int, int]] = set()  # (learner, fragment) with a download in flight
+
+    def fetch(j: int, p: int, t: float) -> None:
+        """Learner j pulls the newest version of fragment p (one download per fragment at a time,
+        as a learner polling the blob store for the latest key does)."""
+        s = slots[j]
+        if not s.up or (j, p) in downloading or syncer.versions[p] <= s.learner.adopted_versions[p]:
+            return
+        g = syncer.global_fragment(p)
         blob = g.to_bytes(spec.global_wire)
-        nbytes = frag_params[g.fragment] * WIRE_BYTES_PER_PARAM[spec.global_wire]
-        for j, s in enumerate(slots):
-            if not s.up:
-                continue
-            arr = run.links[run.islands[j].pool.slug].send(t, nbytes, "down")
-            q.push(arr, "global", i=j, inc=s.incarnation, blob=blob, fragment=g.fragment)
+        nbytes = frag_params[p] * WIRE_BYTES_PER_PARAM[spec.global_wire]
+        arr = run.links[run.islands[j].pool.slug].send(t, nbytes, "down")
+        downloading.add((j, p))
+        q.push(arr, "global", i=j, inc=s.incarnation, blob=blob, fragment=p)
+
+    def send_fragment_down(g, t: float) -> None:
+        for j in range(len(slots)):
+            fetch(j, g.fragment, t)
 
     def try_merge(t: float) -> None:
         nonlocal merges
@@ -599,20 +609,41 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
         run.failures += why != "move"
         run.marks.append({"t": t, "kind": why, "learner": i})
 
+    def send_contribution(i: int, c, t: float) -> None:
+        blob = c.to_bytes(comp)
+        nbytes = frag_params[c.fragment] * WIRE_BYTES_PER_PARAM[comp]
+        arr = run.links[run.islands[i].pool.slug].send(t, nbytes, "up")
+        q.push(arr, "contrib", i=i, blob=blob, fragment=c.fragment)
+
     def come_up(i: int, t: float) -> None:
         s = slots[i]
         run.ledgers[i].down += t - s.down_since
         syncer.fence(i, s.incarnation)
-        lrn = new_learner(i, s.incarnation)
-        lrn.load_state_dict(s.ckpt)
-        for p in range(P):  # the re-dispatched learner loads the newest globals
-            g = syncer.global_fragment(p)
-            if g.version > lrn.adopted_versions[p]:
-                lrn.adopt(g)
+        ck = s.ckpt
+        resend = sync and int(ck["adopted_versions"][0]) == syncer.versions[0]
+        if resend:
+            # lock-step, round not merged: the payload this checkpoint sent was fenced out with the
+            # old incarnation, so the new incarnation sends the progress it holds again at once
+            lrn = new_learner(i, s.incarnation)
+            lrn.load_state_dict(ck)
+        else:
+            # Restore as the incarnation that wrote the checkpoint, so outstanding sends are known;
+            # adopting the newest globals then mixes only the progress made since those sends (no
+            # re-application of progress the syncer already merged); then take the new incarnation.
+            lrn = new_learner(i, int(ck["incarnation"]))
+            lrn.load_state_dict(ck)
+            for p in range(P):  # the re-dispatched learner loads the newest globals
+                g = syncer.global_fragment(p)
+                if g.version > lrn.adopted_versions[p]:
+                    lrn.adopt(g)
+            lrn.incarnation = s.incarnation
         s.learner = lrn
         s.up = True
         s.steps_since_ckpt = 0
         run.marks.append({"t": t, "kind": "recovered", "learner": i})
+        if resend:
+            for c in lrn.flush():
+                send_contribution(i, c, t)
         if sync and lrn.outstanding(0):
             s.waiting, s.wait_since = True, t
         else:
@@ -640,10 +671,7 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
             run.steps_done += 1
             due = lrn.due_contributions()
             for c in due:
-                blob = c.to_bytes(comp)
-                nbytes = frag_params[c.fragment] * WIRE_BYTES_PER_PARAM[comp]
-                arr = run.links[run.islands[i].pool.slug].send(t, nbytes, "up")
-                q.push(arr, "contrib", i=i, blob=blob, fragment=c.fragment)
+                send_contribution(i, c, t)
             if due:
                 run.ledgers[i].commit()
                 checkpoint(s)
@@ -671,10 +699,16 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
             try_merge(t)
         elif kind == "global":
             s = slots[d["i"]]
+            downloading.discard((d["i"], d["fragment"]))
             if d["inc"] != s.incarnation or not s.up:
+                fetch(d["i"], d["fragment"], t)  # a download for an older incarnation: start afresh
                 continue
             g = GlobalFragment.from_bytes(d["blob"], expected[d["fragment"]])
-            s.learner.adopt(g)
+            if s.learner.adopt(g):
+                # checkpoint after adopting too, so a restart does not re-apply merged progress
+                run.ledgers[d["i"]].commit()
+                checkpoint(s)
+            fetch(d["i"], d["fragment"], t)  # a newer version was merged meanwhile
             if s.waiting and not s.learner.outstanding(0):
                 run.ledgers[d["i"]].idle += t - s.wait_since
                 s.waiting = False
@@ -716,6 +750,10 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
             )
             q.push(t + min(step_time) * (spec.rebalance_every or cfg.inner_steps), "rebalance")
             update_stall(t)
+    stuck = not q and not run.finished()  # nothing left to happen and the budget is not reached: deadlock
+    if stuck:
+        run.limited = True
+        run.marks.append({"t": run.t, "kind": "stuck"})
     # close the ledgers at the end
     t = run.t
     for i, s in enumerate(slots):
@@ -729,7 +767,13 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
     if run.final_loss is None:
         run.record(run.evaluate_state(global_state()))
     return run.result(
-        {"merges": merges, "refused": {**refused, **syncer.rejections}, "versions": dict(syncer.versions)}
+        {
+            "merges": merges,
+            "refused": {**refused, **syncer.rejections},
+            "versions": dict(syncer.versions),
+            "stuck": stuck,
+            "skipped_sends": sum(s.learner.skipped_sends for s in slots),
+        }
     )
 
 
