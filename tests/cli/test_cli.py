@@ -264,6 +264,7 @@ def test_logs_follow_until_the_end_and_pause_resume(cli, alice):
     assert r.exit_code == 0
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert ["first" in lines[0], "second" in lines[1]] == [True, True]
+    assert "running → completed" in lines[-1]  # written as the job ended, still shown
 
     other = _job(alice, "running")
     code, body = cli.json("jobs", "pause", other.pk)
