@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,8 +15,12 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
+def cache_dir():
+    """The token cache is keyed by a fingerprint of its inputs and written atomically, so the
+    suite shares the normal one ($DILOCO_CACHE_DIR, else var/cache) instead of re-tokenising."""
+    path = Path(os.environ.get("DILOCO_CACHE_DIR") or Path(__file__).resolve().parents[2] / "var" / "cache")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -148,3 +148,10 @@ def test_restore_as_new_incarnation_resends_progress(learner):
     assert c.key == (0, 1, 0, 0) and c.inner_steps == 4
     with pytest.raises(ValueError, match="learner 0 loaded into learner 1"):
         learner(index=1).load_state_dict(a.state_dict())
+
+
+def test_bf16_autocast_step(learner):
+    lrn = learner(bf16=True, steps=2)
+    r = lrn.step()
+    assert r.loss == r.loss and 4.0 < r.loss < 7.0
+    assert all(p.dtype == torch.float32 for p in lrn.params.values())   # master weights stay fp32
