@@ -85,15 +85,40 @@ def event(job, kind: str, message: str, payload: dict | None = None, pool=None):
 
 
 def publish(job_id, msg: dict) -> None:
-    """Best effort: dashboards learn through the channel layer when it spans processes."""
-    if not settings.REDIS_URL or job_id is None:
+    """Best effort, never blocking: live updates for dashboards. With Redis the channel layer
+    spans processes; in the embedded default (in-memory layer) they go to the web server over
+    the agent websocket as a coordinator `publish` message (forwarded, not stored)."""
+    if job_id is None:
         return
     try:
-        from apps.telemetry.publish import publish_job
+        if settings.REDIS_URL:
+            from apps.telemetry.publish import publish_job
 
-        publish_job(job_id, msg)
+            publish_job(job_id, msg)
+        else:
+            client = coordinator_client()
+            if client is not None:
+                client.send({"type": "publish", "job": int(job_id), "message": msg})
     except Exception:
         log.debug("publish failed", exc_info=True)
+
+
+_coord_client: list = []
+
+
+def coordinator_client():
+    """One websocket client per coordinator process, authenticated with the coordinator token."""
+    if not _coord_client:
+        try:
+            from apps.telemetry.auth import coordinator_token
+            from apps.telemetry.client import TelemetryClient
+
+            url = settings.WEB_URL.replace("http://", "ws://").replace("https://", "wss://").rstrip("/")
+            _coord_client.append(TelemetryClient(url + "/ws/agent/", coordinator_token(), name="coordinator"))
+        except Exception:
+            log.warning("coordinator telemetry client unavailable", exc_info=True)
+            _coord_client.append(None)
+    return _coord_client[0]
 
 
 def now():

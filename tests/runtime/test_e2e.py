@@ -108,14 +108,28 @@ def bench(stack, owner):
           f"blob transfer of the same {per_step_bytes} bytes (1 get + 2 puts) {1000 * raw:.1f} ms")
 
 
-def test_cancel_and_pause_resume(stack, owner):
+def test_platform_restart_pause_resume_cancel(stack, owner):
     from apps.jobs.services import cancel_job, pause_job, resume_job
 
-    # pause: learners checkpoint and stop; resume continues from the checkpoints
-    job, _ = submit_job(owner, {**TINY, "steps": 150, "name": "pause me"})
+    job, _ = submit_job(owner, {**TINY, "steps": 200, "name": "pause me"})
     stack.wait_for(lambda: Learner.objects.filter(job=job, state=Learner.State.RUNNING).count() == 2,
                    timeout=60, what="two running learners")
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).outer_steps >= 2, timeout=60, what="outer steps")
+
+    # whole-platform restart: every process SIGKILLed (broker state wiped), then started again;
+    # the running job carries on from its checkpoints and last commit
+    incs = dict(Learner.objects.filter(job=job).values_list("index", "incarnation"))
+    for name in list(stack.procs):
+        stack.kill(name)
+    commits = Job.objects.get(pk=job.pk).outer_steps
+    stack.start()
+    stack.wait_for(lambda: all(lr.incarnation > incs[lr.index] and lr.state == Learner.State.RUNNING
+                               for lr in Learner.objects.filter(job=job)), timeout=90,
+                   what="learners running again after the restart")
+    stack.wait_for(lambda: Job.objects.get(pk=job.pk).outer_steps > commits, timeout=60,
+                   what="outer steps after the restart")
+
+    # pause: learners checkpoint and stop; resume continues from the checkpoints
     pause_job(Job.objects.get(pk=job.pk))
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).status == st.PAUSED, timeout=20, what="paused")
     tokens_at_pause = {lr.index: lr.tokens for lr in Learner.objects.filter(job=job)}

@@ -78,6 +78,9 @@ class LearnerLoop:
         self.clock = clock
         self.final_wait = final_wait
         self.hang_after = max(60.0, 20 * heartbeat_interval)
+        self.stall_after = max(5.0, 4 * poll_interval)
+        self.outstanding: dict[int, tuple[str, float, int]] = {}
+        self.refused = 0
         if decode_global is None:
             from trainer.protocol import GlobalFragment
 
@@ -136,7 +139,37 @@ class LearnerLoop:
                 adopted += 1
         if self.head_versions:
             self.staleness = max((self.head_versions.get(p, 0) - have.get(p, 0)) for p in self.head_versions)
+        self._unblock_refused(head)
         return adopted
+
+    def _unblock_refused(self, head: dict) -> None:
+        """A fragment whose contribution the syncer refused (its blob is gone, no newer version
+        came) would never send again: the engine waits for an answer. After `stall_after`
+        seconds re-adopt the committed version, which drops the refused progress from the local
+        weights and re-enables sending (the refused tokens count as lost work)."""
+        now = self.clock()
+        have = getattr(self.learner, "adopted_versions", None)
+        if have is None or self.writer.pending:
+            return
+        for p, (key, t_push, base) in list(self.outstanding.items()):
+            if have.get(p, 0) > base or not getattr(self.learner, "outstanding", lambda p: False)(p):
+                del self.outstanding[p]
+                continue
+            if now - t_push < self.stall_after or self.store.exists(key):
+                continue
+            v = int(head.get(str(p), head.get(p, have.get(p, 0))))
+            try:
+                g = self.decode_global(self.store.get(keys.global_key(self.job, p, v))) if v > 0 else None
+            except Exception:
+                continue
+            if g is None:
+                continue
+            have[p] = v - 1  # let the engine adopt the same committed version again
+            self.learner.adopt(g)
+            self.refused += 1
+            del self.outstanding[p]
+            log.info("learner %s: contribution %s was refused; re-adopted fragment %s v%s",
+                     self.index, key, p, v)
 
     # ------------------------------------------------------------------ contributions
     def push_due(self) -> int:
@@ -154,6 +187,7 @@ class LearnerLoop:
         blob = c.to_bytes(self.compression)
         self.bytes_sent += len(blob)
         self.writer.put(key, blob)
+        self.outstanding[c.fragment] = (key, self.clock(), c.base_version)
         self.frag_pos[c.fragment] = pos
         self.contributions += 1
 
@@ -280,6 +314,8 @@ class LearnerLoop:
                 if self.speed_factor < 1.0:
                     time.sleep((t1 - t0) * (1.0 / self.speed_factor - 1.0))
                 if self.push_due() and self.clock() - last_ckpt >= self.checkpoint_interval:
+                    # a checkpoint right behind the contributions (same FIFO): a successor resumes
+                    # exactly after what this incarnation contributed
                     self.checkpoint()
                     last_ckpt = self.clock()
                 if self.clock() >= next_poll:
