@@ -93,3 +93,28 @@ STATUS_TONE = {"running": "ok", "completed": "ok", "placing": "info", "queued": 
 @register.filter
 def tone(status: str) -> str:
     return STATUS_TONE.get(str(status), "info")
+
+
+@register.filter
+def kwh(joules) -> str:
+    """Joules as kWh (or Wh below 1 kWh)."""
+    if joules is None:
+        return "—"
+    j = float(joules)
+    return f"{j / 3.6e6:.3g} kWh" if j >= 3.6e6 else f"{j / 3.6e3:.3g} Wh"
+
+
+@register.filter
+def progress(job) -> float | None:
+    """Fraction of the job's token budget computed so far (from its spec), or None."""
+    spec = job.spec if isinstance(job.spec, dict) else {}
+    try:
+        budget = int(spec.get("learners", 0)) * int(spec.get("steps", 0)) * int(spec.get("batch_size", 0)) \
+            * int(spec.get("seq_len", 0))
+        if spec.get("max_tokens"):
+            budget = min(budget, int(spec["max_tokens"])) if budget else int(spec["max_tokens"])
+    except (TypeError, ValueError):
+        return None
+    if budget <= 0:
+        return None
+    return min(1.0, job.tokens_computed / budget)
