@@ -1,0 +1,123 @@
+"""The learner loop against a real engine Learner/Syncer and an in-memory blob store (no Django)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from trainer.clock import ManualClock
+from trainer.config import TrainConfig
+from trainer.learner import Learner
+from trainer.protocol import Contribution
+from trainer.runtime import keys
+from trainer.runtime.learner_loop import Control, Fenced, LearnerLoop
+from trainer.syncer import Syncer
+from trainer.transport import MemoryStore
+
+
+class Host:
+    def __init__(self, stop_after: int | None = None, fence_after: int | None = None):
+        self.beats, self.points = 0, []
+        self.stop_after, self.fence_after = stop_after, fence_after
+
+    def heartbeat(self, stats):
+        self.beats += 1
+        if self.fence_after is not None and self.beats > self.fence_after:
+            raise Fenced("superseded")
+        return Control(stop=self.stop_after is not None and stats["step"] >= self.stop_after, reason="test")
+
+    def resumed(self, point):
+        self.points.append(point)
+
+    def telemetry(self, msg):
+        pass
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    from trainer.data import Corpus
+
+    return Corpus.load("stdlib", cache_dir="var/cache")
+
+
+def cfg(**kw):
+    base = {"model": "tiny", "learners": 1, "quorum": 1, "inner_steps": 4, "steps": 24, "batch_size": 4,
+            "seq_len": 16, "warmup_steps": 2, "cache_dir": "var/cache"}
+    return TrainConfig(**{**base, **kw})
+
+
+def ranges(store, job):
+    return sorted((r.start, r.end, r.incarnation) for r in
+                  (keys.parse_contrib_key(k) for k in store.list(keys.contrib_prefix(job))))
+
+
+def loop_for(store, corpus, inc, host, **kw):
+    torch.set_num_threads(1)
+    eng = Learner(cfg(**kw), 0, incarnation=inc, corpus=corpus, job="j")
+    return LearnerLoop(eng, store, job="j", index=0, incarnation=inc, host=host, heartbeat_interval=0.01,
+                       poll_interval=0.01, checkpoint_interval=0.0, final_wait=0.0)
+
+
+def test_resume_continues_exactly_after_the_last_checkpointed_contribution(corpus):
+    store = MemoryStore()
+    first = loop_for(store, corpus, 1, Host(stop_after=10))
+    first.resume()
+    out = first.run()
+    assert out.outcome == "stopped"
+    before = ranges(store, "j")
+    assert before and before[0][0] == 0
+    second = loop_for(store, corpus, 2, Host())
+    point = second.resume()
+    assert point["from_incarnation"] == 1 and point["tokens"] == out.tokens
+    assert int(point["frag_pos"][0]) == before[-1][1]  # resumes right after its last contribution
+    assert second.learner.tokens == out.tokens
+
+
+def test_zombie_stops_and_writes_nothing_more(corpus):
+    store = MemoryStore()
+    loop = loop_for(store, corpus, 1, Host(fence_after=1), steps=10_000)
+    loop.resume()
+    out = loop.run(max_seconds=30)
+    assert out.outcome == "fenced"
+
+
+def test_refused_contribution_does_not_block_the_learner(corpus):
+    """The syncer refuses (deletes) a contribution and no newer version comes: after the stall
+    time the learner re-adopts the committed version and sends again."""
+    store = MemoryStore()
+    c = cfg(steps=10_000)
+    syncer = Syncer(c, Learner(c, 0, corpus=corpus, job="j").model, ManualClock(), job="j")
+    loop = loop_for(store, corpus, 1, Host(), steps=10_000)
+    loop.stall_after = 0.05
+    # a committed version 1 exists (merged from the learner's first contribution)
+    loop.resume()
+    for _ in range(4):
+        loop.learner.step()
+    loop.push_due()
+    loop.writer.flush(5)
+    key = store.list(keys.contrib_prefix("j"))[0]
+    contrib = Contribution.from_bytes(store.get(key))
+    assert syncer.submit(contrib).accepted
+    merged = syncer.merge(0, force=True)
+    store.put(keys.global_key("j", 0, merged.version), merged.global_fragment.to_bytes())
+    store.put(keys.head_key("j"), json.dumps({"0": merged.version}).encode())
+    store.delete(key)
+    assert loop.poll_globals() == 1  # adopted v1: the answer to its first send
+    for _ in range(4):
+        loop.learner.step()
+    assert loop.push_due() == 1
+    loop.writer.flush(5)
+    refused = [k for k in store.list(keys.contrib_prefix("j")) if k != key][0]
+    store.delete(refused)  # refused by the syncer
+    for _ in range(4):
+        loop.learner.step()
+    assert loop.push_due() == 0  # blocked: the engine waits for an answer
+    time.sleep(0.1)
+    loop.poll_globals()
+    assert loop.refused == 1
+    for _ in range(4):
+        loop.learner.step()
+    assert loop.push_due() == 1  # sending again
+    loop.writer.close()
