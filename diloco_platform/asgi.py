@@ -12,11 +12,12 @@ django_asgi_app = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from apps.api.asgi_limits import BodySizeLimit  # noqa: E402
 from apps.telemetry.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": BodySizeLimit(django_asgi_app),  # 413 before Django spools a huge body
         "websocket": AuthMiddlewareStack(URLRouter(websocket_urlpatterns)),
     }
 )

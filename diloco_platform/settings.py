@@ -227,6 +227,8 @@ SPECTACULAR_SETTINGS = {
 
 # SIZE LIMITS
 DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("DATA_UPLOAD_MAX_MEMORY_SIZE", default=1024 * 1024)
+# Any HTTP body (ASGI, before Django reads it): apps/api/asgi_limits.py answers 413 above this.
+REQUEST_BODY_MAX_BYTES = env.int("REQUEST_BODY_MAX_BYTES", default=10 * 1024 * 1024)
 
 # SECURITY (production: DEBUG unset, DILOCO_PRODUCTION=1, HTTPS in front)
 if env.bool("DILOCO_PRODUCTION", default=False):
