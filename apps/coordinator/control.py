@@ -185,6 +185,19 @@ def watchdog() -> dict:
     return out
 
 
+def push_control(job_id: int, index: int, payload: dict) -> None:
+    """Best effort: tell the learner now over its websocket (it also reads the DB each heartbeat)."""
+    try:
+        from django.conf import settings
+
+        if settings.REDIS_URL:  # the in-memory layer cannot reach the web process
+            from apps.telemetry.publish import send_control
+
+            send_control(job_id, index, payload)
+    except Exception:
+        log.debug("control push failed", exc_info=True)
+
+
 def drain(job: Job) -> int:
     """Learners on pools (or nodes) that are draining or disabled checkpoint and move off."""
     n = 0
@@ -203,6 +216,8 @@ def drain(job: Job) -> int:
             continue  # still no free slot; already told
         LearnerRuntime.objects.update_or_create(learner=lr, defaults={"move_to": target,
                                                                      "move_reason": f"drain: {what}"})
+        if target is not None:
+            push_control(job.pk, lr.index, {"action": "migrate", "incarnation": lr.incarnation})
         event(job, Event.Kind.DRAINED,
               f"learner {lr.index} leaves {lr.pool.slug} ({what})"
               + (f" for {target.slug}" if target else ", waiting for a free slot"),
@@ -257,6 +272,8 @@ def rebalance() -> dict:
                 new = sizes.get(lr.index)
                 if new and lr.work_size and abs(new - lr.work_size) >= max(2, lr.work_size // 4):
                     Learner.objects.filter(pk=lr.pk).update(work_size=new)
+                    push_control(job.pk, lr.index, {"action": "resize", "work_size": new,
+                                                    "incarnation": lr.incarnation})
                     event(job, Event.Kind.REBALANCED,
                           f"learner {lr.index} work size {lr.work_size} → {new} "
                           f"({lr.tokens_per_s:.0f} tok/s)",
@@ -289,6 +306,7 @@ def rebalance() -> dict:
                 reason = getattr(mv, "reason", "") or f"better pool for {spec.objective}"
                 LearnerRuntime.objects.update_or_create(learner=lr, defaults={"move_to": target,
                                                                              "move_reason": reason})
+                push_control(job.pk, lr.index, {"action": "migrate", "incarnation": lr.incarnation})
                 event(job, Event.Kind.REBALANCED, f"learner {lr.index} moves {mv.from_pool} → {mv.to_pool}",
                       {"learner": lr.index, "from": mv.from_pool, "to": mv.to_pool, "reason": reason,
                        **{k: v for k, v in vars(mv).items() if isinstance(v, int | float | str)}})

@@ -61,7 +61,34 @@ class DjangoHost:
         self.first = True
         self.client = telemetry_client()
         self.resume_tokens = 0
+        self._pushed: Control | None = None
         self.beats = 0
+        if self.client is not None:
+            self.client.on_control(self._on_control)
+
+    def _on_control(self, msg: dict) -> None:
+        """Control over the websocket (faster than the next heartbeat's read of the DB, which
+        stays the source of truth)."""
+        if msg.get("job") != self.job_id or msg.get("learner") != self.index:
+            return
+        if msg.get("incarnation") not in (None, self.incarnation):
+            return  # meant for another incarnation of this learner
+        action = msg.get("action")
+        ctl = Control(reason=f"control: {action}")
+        if action in ("stop", "pause"):
+            ctl.stop = True
+        elif action == "migrate":
+            ctl.handoff = True
+        elif action == "resize" and msg.get("work_size"):
+            ctl.work_size = int(msg["work_size"])
+            self.work_size = ctl.work_size
+        else:
+            return
+        self._pushed = ctl
+
+    def take_control(self) -> Control | None:
+        ctl, self._pushed = self._pushed, None
+        return ctl
 
     def resumed(self, point: dict) -> None:
         """Record where this incarnation resumes; the work of the previous one past that point is lost."""
@@ -130,7 +157,8 @@ class DjangoHost:
         msg = {"type": "heartbeat", "job": self.job_id, "learner": self.index,
                "incarnation": self.incarnation,
                "step": stats["step"], "tokens": stats["tokens"], "loss": stats.get("loss"),
-               "tokens_per_s": stats.get("tokens_per_s"), "util": 1.0, "power_w": None,
+               "tokens_per_s": stats.get("tokens_per_s"), "util": stats.get("util"),
+               "power_w": stats.get("power_w"),
                "staleness": stats.get("staleness") or 0, "time": t.timestamp()}
         if self.client is not None:
             try:

@@ -27,6 +27,20 @@ from .writer import OrderedWriter
 log = logging.getLogger(__name__)
 
 
+def device_readings(device) -> tuple[float | None, float | None]:
+    """(utilisation 0..1, power in W) of a CUDA device when the driver reports them, else Nones."""
+    if device is None or getattr(device, "type", "") != "cuda":
+        return None, None
+    try:
+        import torch
+
+        util = torch.cuda.utilization(device) / 100.0
+        power = torch.cuda.power_draw(device) / 1000.0
+        return util, power
+    except Exception:
+        return None, None
+
+
 class Fenced(RuntimeError):
     """This learner incarnation is no longer the current one."""
 
@@ -228,11 +242,16 @@ class LearnerLoop:
     # ------------------------------------------------------------------ heartbeat thread
     def _stats(self, steps: int) -> dict[str, Any]:
         now = self.clock()
-        self._tok_window.append((now, int(self.learner.tokens)))
+        self._tok_window.append((now, int(self.learner.tokens), self._train_s))
         self._tok_window = self._tok_window[-8:]
         dt = self._tok_window[-1][0] - self._tok_window[0][0]
         tps = (self._tok_window[-1][1] - self._tok_window[0][1]) / dt if dt > 0 else None
-        return {"step": int(getattr(self.learner, "inner_steps", steps)),
+        # utilisation: share of wall time spent inside engine steps (on GPUs the device's own
+        # figure when the driver reports it)
+        util = (self._tok_window[-1][2] - self._tok_window[0][2]) / dt if dt > 0 else None
+        dev_util, power = device_readings(getattr(self.learner, "device", None))
+        return {"step": int(getattr(self.learner, "inner_steps", steps)), "util": dev_util if dev_util
+                is not None else (min(1.0, util) if util is not None else None), "power_w": power,
                 "tokens": int(self.learner.tokens), "loss": self.last_loss, "tokens_per_s": tps,
                 "staleness": self.staleness, "contributions": self.contributions,
                 "bytes_sent": self.bytes_sent, "writer_pending": self.writer.pending}
@@ -270,7 +289,8 @@ class LearnerLoop:
         last_ckpt = t_start
         steps = 0
         train_s = 0.0
-        self._tok_window = [(t_start, int(self.learner.tokens))]
+        self._train_s = 0.0
+        self._tok_window = [(t_start, int(self.learner.tokens), 0.0)]
         self._latest_stats = self._stats(0)
         self._last_progress = t_start
         self._ctl = None
@@ -286,6 +306,9 @@ class LearnerLoop:
                 if self._fenced:
                     raise Fenced(self._fenced)
                 ctl, self._ctl = self._ctl, None
+                pushed = getattr(self.host, "take_control", None)
+                if ctl is None and pushed is not None:
+                    ctl = pushed()
                 if ctl is not None:
                     if ctl.work_size:
                         self.learner.set_work_size(int(ctl.work_size))
@@ -308,6 +331,7 @@ class LearnerLoop:
                 res = self.learner.step()
                 t1 = self.clock()
                 train_s += t1 - t0
+                self._train_s = train_s
                 steps += 1
                 self._last_progress = t1
                 self.last_loss = float(res.loss)
