@@ -5,6 +5,7 @@ queued job, stops learners of a cancelled or paused one, resumes a paused one.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -13,14 +14,26 @@ from . import state as st
 from .models import Event, Job
 from .spec import validate_spec
 
+logger = logging.getLogger(__name__)
+
 
 def _kick_coordinator(job_id: int) -> None:
-    """Tell the coordinator to look at this job now (it also polls on its own)."""
+    """Tell the coordinator to look at this job now (its watchdog also picks up queued jobs and
+    paused/cancelled learners on its own, so a broker hiccup never fails the user's request)."""
     from apps.coordinator import tasks  # late import: coordinator imports jobs
 
     kick = getattr(tasks, "reconcile_job", None)
-    if kick is not None:
-        transaction.on_commit(lambda: kick.delay(job_id))
+    if kick is None:
+        return
+
+    def send() -> None:
+        try:
+            kick.delay(job_id)
+        except Exception:  # broker down: the coordinator's watchdog reconciles within seconds
+            logger.warning("could not reach the broker to kick job %s; the watchdog will", job_id,
+                           exc_info=True)
+
+    transaction.on_commit(send)
 
 
 def submit_job(owner, spec_data: Any, idempotency_key: str | None = None, team: str = "") -> tuple[Job, bool]:
