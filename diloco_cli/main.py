@@ -266,6 +266,9 @@ def jobs_submit(
     url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ):
     """Submit a job spec. --wait: exit 0 when it completes, 1 failed/cancelled, 3 on --timeout."""
+    if timeout is not None and not wait and not dry_run:
+        err.print("error: --timeout only applies with --wait")
+        raise typer.Exit(EXIT_INVALID)
     try:
         spec = _read_spec(spec_file, overrides or [])
     except ValueError as exc:
