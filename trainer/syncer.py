@@ -266,7 +266,7 @@ class Syncer:
         deltas = [[e.contribution.tensors[n] for n in names] for e in entries]
         merged = self._combine(names, deltas, norm_w)
         self._outer_step(names, merged)
-        merged_norm = math.sqrt(sum(float(m.pow(2).sum()) for m in merged))
+        merged_norm = math.sqrt(sum(float(x) ** 2 for x in torch._foreach_norm(merged)))
         new_version = version + 1
         self.versions[fragment] = new_version
         contributors = []
