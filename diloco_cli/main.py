@@ -123,7 +123,7 @@ def _job_table(job: dict) -> Table:
         ("job", f"#{job['id']} {job['name']}"), ("status", job["status"] + (
             f" ({job['status_reason']})" if job.get("status_reason") else "")),
         ("owner", job.get("owner", "")), ("progress", f"{job.get('progress', 0) * 100:.1f}% "
-                                                      f"({_fmt_tokens(job['tokens_computed'])} / "
+                                                      f"({_fmt_tokens(_done(job))} / "
                                                       f"{_fmt_tokens(job.get('total_tokens', 0))} tokens)"),
         ("outer steps", str(job.get("outer_steps", 0))),
         ("train loss", f"{latest['train_loss']:.4f}" if "train_loss" in latest else "-"),
@@ -134,6 +134,11 @@ def _job_table(job: dict) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _done(job: dict) -> int:
+    """Tokens computed so far (live learner counters while running; older servers: the job total)."""
+    return int(job.get("tokens_done", job.get("tokens_computed", 0)) or 0)
 
 
 def _exit_for_status(status: str) -> int:
@@ -156,9 +161,9 @@ def _wait(client: Client, job_id: int, timeout: float | None, poll: float, as_js
         while True:
             if progress is not None:
                 loss = (job.get("latest") or {}).get("train_loss")
-                progress.update(task, completed=min(job["tokens_computed"], job.get("total_tokens") or 0),
+                progress.update(task, completed=min(_done(job), job.get("total_tokens") or 0),
                                 status=job["status"], loss=f"{loss:.3f}" if loss is not None else "-",
-                                tok=f"{_fmt_tokens(job['tokens_computed'])}/"
+                                tok=f"{_fmt_tokens(_done(job))}/"
                                     f"{_fmt_tokens(job.get('total_tokens') or 0)} tok")
             if job["status"] in TERMINAL:
                 return job, _exit_for_status(job["status"])

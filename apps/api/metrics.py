@@ -73,14 +73,27 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
 
 
 def latest_values(job: Job) -> dict[str, float]:
-    """The newest job-level value of each metric name."""
-    qs = MetricPoint.objects.filter(job=job, learner__isnull=True)
-    if connection.vendor == "postgresql":  # one query: DISTINCT ON (name), newest first
-        rows = qs.order_by("name", "-time", "-id").distinct("name").values_list("name", "value")[:50]
-        return dict(rows)
-    latest = {}
-    for name in qs.values_list("name", flat=True).distinct().order_by("name")[:50]:
-        value = qs.filter(name=name).order_by("-time", "-id").values_list("value", flat=True).first()
-        if value is not None:
-            latest[name] = value
-    return latest
+    """The newest value of each metric: the job-level one (val_loss, goodput...), else the mean of
+    the learners' newest values (train_loss, tokens_per_s... are reported per learner)."""
+    qs = MetricPoint.objects.filter(job=job)
+    if connection.vendor == "postgresql":  # one query: DISTINCT ON (name, learner), newest first
+        rows = list(qs.order_by("name", "learner_id", "-time", "-id").distinct("name", "learner_id")
+                    .values_list("name", "learner_id", "value")[:2000])
+    else:
+        rows = []
+        for name, lid in qs.values_list("name", "learner_id").distinct().order_by("name")[:2000]:
+            value = (qs.filter(name=name, learner_id=lid).order_by("-time", "-id")
+                     .values_list("value", flat=True).first())
+            rows.append((name, lid, value))
+    job_level: dict[str, float] = {}
+    per_learner: dict[str, list[float]] = {}
+    for name, lid, value in rows:
+        if value is None:
+            continue
+        if lid is None:
+            job_level[name] = value
+        else:
+            per_learner.setdefault(name, []).append(value)
+    latest = {name: sum(v) / len(v) for name, v in per_learner.items()}
+    latest.update(job_level)
+    return dict(sorted(latest.items()))

@@ -104,14 +104,16 @@ class JobSubmitSerializer(StrictSerializerMixin, serializers.Serializer):
 class JobSerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
     total_tokens = serializers.SerializerMethodField()
-    progress = serializers.SerializerMethodField()
+    tokens_done = serializers.SerializerMethodField(
+        help_text="live progress: tokens computed so far (learners' counters while running)")
+    progress = serializers.SerializerMethodField(help_text="tokens_done / total_tokens, 0..1")
 
     class Meta:
         model = Job
         fields = ["id", "name", "owner", "team", "status", "status_reason", "spec", "created_at",
                   "updated_at", "started_at", "finished_at", "outer_steps", "tokens_computed",
                   "tokens_contributed", "tokens_lost", "bytes_sent", "initial_val_loss", "final_val_loss",
-                  "energy_j", "cost", "total_tokens", "progress"]
+                  "energy_j", "cost", "total_tokens", "tokens_done", "progress"]
         read_only_fields = fields
 
     def get_total_tokens(self, job) -> int:
@@ -123,9 +125,17 @@ class JobSerializer(serializers.ModelSerializer):
         cap = s.get("max_tokens")
         return min(by_steps, int(cap)) if cap else by_steps
 
+    def get_tokens_done(self, job) -> int:
+        live = getattr(job, "learner_tokens", None)
+        if live is None:
+            from django.db.models import Sum
+
+            live = Learner.objects.filter(job=job).aggregate(n=Sum("tokens"))["n"]
+        return max(job.tokens_computed, int(live or 0))
+
     def get_progress(self, job) -> float:
         total = self.get_total_tokens(job)
-        return round(min(1.0, job.tokens_computed / total), 4) if total else 0.0
+        return round(min(1.0, self.get_tokens_done(job) / total), 4) if total else 0.0
 
 
 class JobDetailSerializer(JobSerializer):

@@ -123,13 +123,24 @@ def test_list_filters_and_pagination(as_alice, as_staff, alice, bob, pool_a):
 
 
 def test_detail_has_latest_values_and_learner_counts(as_alice, alice_job):
-    from apps.jobs.models import MetricPoint
+    from apps.jobs.models import Learner, MetricPoint
 
-    MetricPoint.objects.create(job=alice_job, name="train_loss", step=10, value=3.0)
-    MetricPoint.objects.create(job=alice_job, name="train_loss", step=20, value=2.5)
+    l0, l1 = Learner.objects.filter(job=alice_job).order_by("index")
+    MetricPoint.objects.create(job=alice_job, name="val_loss", step=10, value=3.0)
+    MetricPoint.objects.create(job=alice_job, name="val_loss", step=20, value=2.5)
+    # per-learner series: the newest value of each learner, averaged
+    MetricPoint.objects.create(job=alice_job, learner=l0, name="train_loss", step=5, value=9.0)
+    MetricPoint.objects.create(job=alice_job, learner=l0, name="train_loss", step=15, value=2.0)
+    MetricPoint.objects.create(job=alice_job, learner=l1, name="train_loss", step=15, value=3.0)
+    Learner.objects.filter(pk=l0.pk).update(tokens=1000)
+    Learner.objects.filter(pk=l1.pk).update(tokens=2000)
     body = as_alice.get(f"/api/v1/jobs/{alice_job.pk}/").json()
-    assert body["latest"] == {"train_loss": 2.5}
+    assert body["latest"] == {"train_loss": 2.5, "val_loss": 2.5}
     assert body["learner_counts"] == {"running": 2}
+    assert body["tokens_done"] == 3000 and body["tokens_computed"] == 0  # live, from the learners
+    assert body["progress"] == round(3000 / body["total_tokens"], 4)
+    listed = as_alice.get("/api/v1/jobs/").json()["results"]
+    assert [j["tokens_done"] for j in listed if j["id"] == alice_job.pk] == [3000]
     assert body["owner"] == "alice"
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from django.db.models import Q
+from django.db.models import Q, Sum
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
@@ -33,7 +33,7 @@ ERRORS = {
 
 
 def visible_jobs(user):
-    qs = Job.objects.select_related("owner")
+    qs = Job.objects.select_related("owner").annotate(learner_tokens=Sum("learners__tokens"))
     return qs if user.is_staff else qs.filter(owner=user)
 
 
