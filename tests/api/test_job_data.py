@@ -120,3 +120,14 @@ def test_checkpoint_listing_scope(as_alice, as_bob, as_staff, alice_job):
     assert as_alice.get("/api/v1/checkpoints/").json()["count"] == 1
     assert as_bob.get("/api/v1/checkpoints/").json()["count"] == 0
     assert as_staff.get(f"/api/v1/checkpoints/?job={alice_job.pk}").json()["count"] == 1
+
+
+def test_checkpoint_download_when_the_store_fails(as_alice, alice_job, settings, tmp_path):
+    pytest.importorskip("trainer.transport")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")  # the store's root is a file: reads fail with an OS error
+    settings.BLOB_STORE_URL = f"file://{blocker}"
+    ck = Checkpoint.objects.create(job=alice_job, version=1, blob_uri="ckpt/1", size_bytes=1, sha256="0" * 64)
+    r = as_alice.get(f"/api/v1/checkpoints/{ck.pk}/download/")
+    assert r.status_code in (404, 503), r.status_code
+    assert r.json()["detail"]

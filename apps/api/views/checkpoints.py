@@ -1,13 +1,15 @@
 """Checkpoints: metadata and download, streamed from the blob store."""
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotFound
+from rest_framework.exceptions import APIException, NotFound
 
 from apps.jobs.models import Checkpoint
 
@@ -18,6 +20,7 @@ from ..permissions import IsPerson
 from .common import SafeQueryMixin
 
 CHUNK = 1 << 20
+log = logging.getLogger(__name__)
 
 
 def _store_and_key(blob_uri: str):
@@ -68,12 +71,15 @@ class CheckpointViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
     def download(self, request, pk=None):
         """The checkpoint file (safetensors), with its SHA-256 in `X-Checksum-SHA256`."""
         ckpt = self.get_object()
-        store, key = _store_and_key(ckpt.blob_uri)
         try:
+            store, key = _store_and_key(ckpt.blob_uri)
             data = store.get(key)
+        except APIException:
+            raise
         except (KeyError, FileNotFoundError):
             raise NotFound(f"The blob of checkpoint {ckpt.pk} is missing from the store.") from None
-        except OSError as exc:
+        except Exception as exc:  # any backend (file, redis, s3) failing is the store's problem, not a 500
+            log.warning("checkpoint %s: blob store read failed: %r", ckpt.pk, exc)
             raise ServiceUnavailable(f"The blob store could not be read: {exc.__class__.__name__}.") from None
         name = f"job{ckpt.job_id}-{ckpt.kind}-v{ckpt.version:05d}.safetensors"
         resp = StreamingHttpResponse(_chunks(data), content_type="application/octet-stream")
