@@ -196,6 +196,8 @@ REST_FRAMEWORK = {
         "auth": env.str("API_THROTTLE_AUTH", default="20/minute"),
         "job_create": env.str("API_THROTTLE_JOB_CREATE", default="60/minute"),
     },
+    # Client address for rate limits: REMOTE_ADDR unless N trusted proxies add X-Forwarded-For.
+    "NUM_PROXIES": env.int("API_NUM_PROXIES", default=0),
 }
 # Throttle counters must be shared by every web process: Redis when it is configured.
 if REDIS_URL:

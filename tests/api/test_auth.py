@@ -62,6 +62,10 @@ def test_auth_is_rate_limited(anon, alice, settings):
     assert codes == [401, 401, 401, 429]
     r = anon.post(TOKEN_URL, {"username": "alice", "password": "pw-alice-123"}, format="json")
     assert r.status_code == 429 and "Retry-After" in r.headers
+    # a forged X-Forwarded-For does not buy a fresh allowance (no trusted proxies configured)
+    r = anon.post(TOKEN_URL, {"username": "alice", "password": "bad"}, format="json",
+                  HTTP_X_FORWARDED_FOR="10.9.8.7")
+    assert r.status_code == 429
     assert "throttled" in r.json()["detail"].lower()
 
 
