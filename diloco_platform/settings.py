@@ -194,6 +194,7 @@ REST_FRAMEWORK = {
     # Rate limits (DRF syntax "N/second|minute|hour|day"); counters live in the default cache.
     "DEFAULT_THROTTLE_RATES": {
         "auth": env.str("API_THROTTLE_AUTH", default="20/minute"),
+        "auth_user": env.str("API_THROTTLE_AUTH_USER", default="10/minute"),
         "job_create": env.str("API_THROTTLE_JOB_CREATE", default="60/minute"),
     },
     # Client address for rate limits: REMOTE_ADDR unless N trusted proxies add X-Forwarded-For.

@@ -6,6 +6,8 @@ in the default cache (Redis when REDIS_URL is set, shared by every web process).
 """
 from __future__ import annotations
 
+import hashlib
+
 from rest_framework.settings import api_settings
 from rest_framework.throttling import SimpleRateThrottle
 
@@ -22,6 +24,20 @@ class AuthRateThrottle(_LiveRateThrottle):
 
     def get_cache_key(self, request, view):
         return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+
+class AuthUsernameThrottle(_LiveRateThrottle):
+    """Token creation per username, whatever address it comes from (distributed guessing)."""
+
+    scope = "auth_user"
+
+    def get_cache_key(self, request, view):
+        data = request.data
+        username = data.get("username") if isinstance(data, dict) else None
+        if not isinstance(username, str) or not username:
+            return None
+        ident = hashlib.sha256(username.strip().lower()[:150].encode("utf-8", "replace")).hexdigest()
+        return self.cache_format % {"scope": self.scope, "ident": ident}
 
 
 class JobCreateThrottle(_LiveRateThrottle):

@@ -55,8 +55,8 @@ def test_inactive_user_cannot_get_or_use_tokens(anon, alice):
 
 
 def test_auth_is_rate_limited(anon, alice, settings):
-    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK,
-                               "DEFAULT_THROTTLE_RATES": {"auth": "3/minute", "job_create": "100/minute"}}
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {
+        "auth": "3/minute", "auth_user": "100/minute", "job_create": "100/minute"}}
     codes = [anon.post(TOKEN_URL, {"username": "alice", "password": "bad"}, format="json").status_code
              for _ in range(4)]
     assert codes == [401, 401, 401, 429]
@@ -129,3 +129,14 @@ def test_session_auth_for_the_browser(alice):
     assert c.get("/api/v1/auth/me/").json()["username"] == "alice"
     # unsafe methods need the CSRF token with a session
     assert c.post("/api/v1/auth/tokens/", {"name": "x"}, format="json").status_code == 403
+
+
+def test_auth_is_rate_limited_per_username(alice, bob, settings):
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {
+        "auth": "100/minute", "auth_user": "2/minute", "job_create": "100/minute"}}
+    codes = [APIClient(REMOTE_ADDR=f"10.0.0.{i}").post(TOKEN_URL, {"username": "Alice", "password": "x"},
+                                                          format="json").status_code for i in range(3)]
+    assert codes == [401, 401, 429]  # different addresses, same (case-folded) username
+    r = APIClient(REMOTE_ADDR="10.0.0.9").post(TOKEN_URL, {"username": "bob", "password": "pw-bob-123"},
+                                                format="json")
+    assert r.status_code == 201  # other users are not affected

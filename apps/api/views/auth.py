@@ -17,7 +17,7 @@ from .. import serializers as s
 from ..authentication import ApiTokenAuthentication
 from ..models import ApiToken
 from ..permissions import IsPerson
-from ..throttling import AuthRateThrottle
+from ..throttling import AuthRateThrottle, AuthUsernameThrottle
 
 MAX_ACTIVE_TOKENS = 50
 
@@ -37,7 +37,7 @@ class ObtainTokenView(APIView):
 
     authentication_classes = [ApiTokenAuthentication]
     permission_classes = [AllowAny]
-    throttle_classes = [AuthRateThrottle]
+    throttle_classes = [AuthRateThrottle, AuthUsernameThrottle]
 
     @extend_schema(request=s.TokenCreateSerializer,
                    responses={201: s.ApiTokenCreatedSerializer, 400: OpenApiTypes.OBJECT,
