@@ -133,19 +133,66 @@ def downsample(job_ids: Iterable[int], names: Iterable[str], buckets: int = 200,
         if steer:  # inside an outer transaction, leave the planner as we found it
             cur.execute("SET LOCAL enable_sort TO DEFAULT")
             cur.execute("SET LOCAL work_mem TO DEFAULT")
-    # (job, name, bucket) -> learner -> [sum of values, count]; plus the bucket's last x and t
+    return _fold(rows, buckets, names, out)
+
+
+def _fold(rows, buckets: int, names: list[str], out: dict) -> dict:
+    """Per-learner groups -> one point per (job, name, bucket).
+
+    x is in job tokens: a job-level point's step already is; a learner-level point's step
+    counts that learner's tokens, so a bucket's x is the mean of its learners' newest steps
+    times the number of learners that report the series (equal progress, which dynamic
+    local updates aim for). When a job sends no tokens_per_s series, it is derived from the
+    learners' own progress: each learner's tokens gained between consecutive buckets over
+    the time between them, added up over learners.
+    """
+    # (job, name, bucket) -> {"t": newest time, "l": {learner: [value sum, count, newest step]}}
     acc: dict[tuple, dict] = {}
+    learners_seen: dict[tuple, set] = defaultdict(set)
     for job_id, name, learner_id, bucket, x, t, mean, n in rows:
         b = min(max(int(bucket), 0), buckets - 1)  # points outside the probed range go to the ends
-        a = acc.setdefault((job_id, name, b), {"x": x, "t": t, "l": {}})
-        a["x"], a["t"] = max(a["x"], x), max(a["t"], t)
-        s = a["l"].setdefault(learner_id, [0.0, 0])
-        s[0] += mean * n
-        s[1] += n
+        a = acc.setdefault((job_id, name, b), {"t": float(t), "l": {}})
+        a["t"] = max(a["t"], float(t))
+        g = a["l"].setdefault(learner_id, [0.0, 0, x, float(t)])
+        g[0] += mean * n
+        g[1] += n
+        g[2], g[3] = max(g[2], x), max(g[3], float(t))
+        if learner_id is not None:
+            learners_seen[(job_id, name)].add(learner_id)
+
+    def job_x(job_id, name, groups: dict) -> int:
+        if None in groups or not learners_seen[(job_id, name)]:
+            return int(groups[None][2] if None in groups else max(g[2] for g in groups.values()))
+        mean_step = sum(g[2] for g in groups.values()) / len(groups)
+        return int(mean_step * len(learners_seen[(job_id, name)]))
+
     for (job_id, name, _b), a in sorted(acc.items(), key=lambda kv: kv[0]):
-        means = [v / n for v, n in a["l"].values()]
+        means = [v / n for v, n, _x, _t in a["l"].values()]
         y = sum(means) if name in SUMMED else sum(means) / len(means)
-        out[job_id].setdefault(name, []).append((int(a["x"]), float(a["t"]), float(y)))
+        out[job_id].setdefault(name, []).append((job_x(job_id, name, a["l"]), a["t"], float(y)))
+
+    if "tokens_per_s" in names and "train_loss" in names:
+        for job_id, series in out.items():
+            if "tokens_per_s" in series or not learners_seen[(job_id, "train_loss")]:
+                continue
+            last: dict = {}  # learner -> (step, time) at its previous bucket
+            derived = []
+            for b in range(buckets):
+                a = acc.get((job_id, "train_loss", b))
+                if not a:
+                    continue
+                rate = 0.0
+                for lid, (_v, _n, x, t) in a["l"].items():
+                    if lid is None:
+                        continue
+                    prev = last.get(lid)
+                    if prev and t > prev[1] and x >= prev[0]:
+                        rate += (x - prev[0]) / (t - prev[1])
+                    last[lid] = (x, t)
+                if rate > 0:
+                    derived.append((job_x(job_id, "train_loss", a["l"]), a["t"], rate))
+            if derived:
+                series["tokens_per_s"] = derived
     return out
 
 

@@ -15,6 +15,7 @@ urlpatterns = [
     path("jobs/new", views.job_new, name="job-new"),
     path("jobs/<int:pk>/", views.job_detail, name="job"),
     path("jobs/<int:pk>/series.json", views.job_series, name="job-series"),
+    path("jobs/<int:pk>/checkpoints.html", views.job_checkpoints, name="job-checkpoints"),
     path("jobs/<int:pk>/<str:action>", views.job_action, name="job-action"),
     path("jobs/<int:pk>/checkpoints/<int:version>/download", views.checkpoint_download, name="checkpoint"),
 ]

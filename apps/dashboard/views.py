@@ -319,6 +319,14 @@ def job_series(request, pk):
     return JsonResponse({name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()})
 
 
+@login_required
+def job_checkpoints(request, pk):
+    """The checkpoint rows of the job page (refetched when a checkpoint event arrives)."""
+    job = get_object_or_404(data.visible_jobs(request.user).only("pk"), pk=pk)
+    return render(request, "dashboard/_checkpoint_rows.html",
+                  {"job": job, "checkpoints": list(job.checkpoints.order_by("-version")[:50])})
+
+
 ACTIONS = {"cancel": services.cancel_job, "pause": services.pause_job, "resume": services.resume_job}
 
 

@@ -9,6 +9,9 @@ const MAX_POINTS = 3000;
 
 // name -> {tokens: [], time: [], value: []}, sorted by time
 const series = {};
+// learner index -> its last reported tokens/s (running learners) and tokens
+const learnerRate = {};
+const learnerTokens = {};
 let livePoints = 0;
 
 function load(raw) {
@@ -31,9 +34,22 @@ function thin(s) {
   }
 }
 
+// Learner-level steps count one learner's tokens; the charts' x is the job's tokens (as
+// the server's series): scale by the number of learners reporting the series.
+const reporters = {};
+function jobTokens(p) {
+  const step = Number(p.step) || 0;
+  if (p.learner === null || p.learner === undefined) return step;
+  (reporters[p.name] = reporters[p.name] || new Set()).add(p.learner);
+  const grid = document.querySelectorAll("#learners tbody tr[data-learner]").length;
+  return step * Math.max(reporters[p.name].size, grid, 1);
+}
+let explicitTps = false;
+
 function addPoint(p) {
   if (typeof p.value !== "number" || !Number.isFinite(p.value)) return;
   const name = p.name;
+  if (name === "tokens_per_s") explicitTps = true;
   const t = typeof p.time === "number" ? p.time : (toDate(p.time) || new Date()).getTime() / 1000;
   let value = p.value;
   if (SUMMED.has(name) && p.learner !== null && p.learner !== undefined) {
@@ -52,7 +68,7 @@ function addPoint(p) {
     livePoints += 1;
     return;
   }
-  s.tokens.splice(i, 0, Number(p.step) || 0);
+  s.tokens.splice(i, 0, jobTokens(p));
   s.time.splice(i, 0, t);
   s.value.splice(i, 0, value);
   thin(s);
@@ -149,8 +165,10 @@ function redraw() {
       c.el.dataset.points = String(c.names.reduce((a, n) => a + (series[n] ? series[n].value.length : 0), 0));
     }
     document.getElementById("live-points").textContent = String(livePoints);
-    const tps = series.tokens_per_s;
-    if (tps && tps.value.length) document.getElementById("kpi-tokens-per-s").textContent = fmtSI(tps.value.at(-1));
+    const tps = series.tokens_per_s;  // the learners' heartbeats, when known, give the KPI
+    if (tps && tps.value.length && !Object.keys(learnerRate).length) {
+      document.getElementById("kpi-tokens-per-s").textContent = fmtSI(tps.value.at(-1));
+    }
     const val = series.val_loss;
     if (val && val.value.length) document.getElementById("kpi-val-loss").textContent = val.value.at(-1).toPrecision(4);
   });
@@ -188,9 +206,33 @@ function learnerRow(index) {
   return row;
 }
 
+function onLearnerRate(index, msg) {
+  if (typeof msg.tokens === "number") learnerTokens[index] = msg.tokens;
+  if (msg.state && msg.state !== "running") delete learnerRate[index];
+  else if (typeof msg.tokens_per_s === "number") learnerRate[index] = msg.tokens_per_s;
+  else return;
+  const total = Object.values(learnerRate).reduce((a, b) => a + b, 0);
+  document.getElementById("kpi-tokens-per-s").textContent = fmtSI(total);
+  if (!explicitTps && total > 0) {
+    const s = (series.tokens_per_s = series.tokens_per_s || { tokens: [], time: [], value: [] });
+    const t = typeof msg.last_heartbeat === "number" ? msg.last_heartbeat : Date.now() / 1000;
+    const x = Object.values(learnerTokens).reduce((a, b) => a + b, 0);
+    if (s.time.length && t <= s.time.at(-1)) {
+      s.value[s.value.length - 1] = total; // same instant: keep the newest total
+    } else {
+      s.tokens.push(x);
+      s.time.push(t);
+      s.value.push(total);
+      thin(s);
+    }
+    redraw();
+  }
+}
+
 function onLearner(msg) {
   const index = msg.index ?? msg.learner;
   if (index === undefined || index === null) return;
+  onLearnerRate(index, msg);
   const row = learnerRow(index);
   if (msg.state) setBadge(row.querySelector('[data-field="state"]'), msg.state);
   const set = (f, text) => {
@@ -215,7 +257,15 @@ function onLearner(msg) {
 }
 
 // ----------------------------------------------------------------- timeline, status
+async function refreshCheckpoints() {
+  const resp = await fetch(`/jobs/${JOB}/checkpoints.html`, { headers: { Accept: "text/html" } });
+  if (!resp.ok) return;
+  const tbody = document.querySelector("#checkpoints tbody");
+  if (tbody) tbody.innerHTML = await resp.text();
+}
+
 function onEvent(msg) {
+  if (msg.kind === "checkpointed") setTimeout(() => { refreshCheckpoints().catch(() => {}); }, 500);
   const ul = document.getElementById("timeline");
   ul.querySelector("li.empty")?.remove();
   const li = document.createElement("li");
@@ -252,7 +302,13 @@ function onJob(msg) {
   }
   if (msg.status_reason !== undefined) document.getElementById("status-reason").textContent = msg.status_reason;
   if (msg.outer_steps !== undefined) document.getElementById("kpi-outer-steps").textContent = String(msg.outer_steps);
-  if (msg.tokens_computed !== undefined) document.getElementById("kpi-tokens").textContent = fmtSI(msg.tokens_computed);
+  if (msg.tokens_computed !== undefined) {
+    const kpi = document.getElementById("kpi-tokens");
+    kpi.textContent = fmtSI(msg.tokens_computed);
+    const budget = Number(kpi.dataset.budget);
+    const sub = document.getElementById("kpi-progress");
+    if (budget > 0 && sub) sub.textContent = `${Math.round(Math.min(1, msg.tokens_computed / budget) * 100)} % of the budget`;
+  }
   if (msg.bytes_sent !== undefined) document.getElementById("kpi-bytes").textContent = fmtBytes(msg.bytes_sent);
   if (msg.tokens_computed && msg.tokens_contributed !== undefined) {
     document.getElementById("kpi-goodput").textContent =

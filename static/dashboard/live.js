@@ -57,13 +57,19 @@ export function connectLive(path, onMessage, { onReconnect, indicator } = {}) {
   return { close: () => { stopped = true; ws.close(1000); } };
 }
 
+// 3 significant digits without trailing zeros after the point: 100 -> "100", 2.50 -> "2.5"
+const p3 = (x) => {
+  const t = x.toPrecision(3);
+  return t.includes(".") && !t.includes("e") ? t.replace(/0+$/, "").replace(/\.$/, "") : String(Number(t));
+};
+
 export function fmtSI(v, unit = "") {
   if (v === null || v === undefined || Number.isNaN(Number(v))) return "—";
   const x = Number(v);
   for (const [f, p] of [[1e15, "P"], [1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]]) {
-    if (Math.abs(x) >= f) return `${(x / f).toPrecision(3).replace(/\.?0+$/, "")} ${p}${unit}`.trim();
+    if (Math.abs(x) >= f) return `${p3(x / f)} ${p}${unit}`.trim();
   }
-  const t = Number.isInteger(x) ? String(x) : x.toPrecision(3).replace(/\.?0+$/, "");
+  const t = Number.isInteger(x) ? String(x) : p3(x);
   return `${t} ${unit}`.trim();
 }
 
@@ -71,7 +77,7 @@ export function fmtBytes(v) {
   if (v === null || v === undefined) return "—";
   let x = Number(v);
   for (const [f, u] of [[2 ** 40, "TiB"], [2 ** 30, "GiB"], [2 ** 20, "MiB"], [2 ** 10, "KiB"]]) {
-    if (Math.abs(x) >= f) return `${(x / f).toPrecision(3).replace(/\.?0+$/, "")} ${u}`;
+    if (Math.abs(x) >= f) return `${p3(x / f)} ${u}`;
   }
   return `${Math.round(x)} B`;
 }

@@ -105,6 +105,8 @@ def test_job_page_updates_live_then_cancel(dash, alice, fleet):
         {"type": "hello", "worker": "h100-east-test@host", "pool": "h100-east"},
         {"type": "heartbeat", "job": job.pk, "learner": 0, "incarnation": 1, "step": 20, "tokens": 81920,
          "loss": 3.05, "tokens_per_s": 5000.0, "util": 0.9, "power_w": None, "staleness": 0, "time": now},
+        {"type": "heartbeat", "job": job.pk, "learner": 1, "incarnation": 1, "step": 20, "tokens": 61440,
+         "loss": 3.2, "tokens_per_s": 3000.0, "util": 0.9, "power_w": None, "staleness": 1, "time": now},
         {"type": "metrics", "job": job.pk, "points": points},
     ])
     assert not [r for r in replies if r.get("type") == "error"], replies
@@ -113,6 +115,7 @@ def test_job_page_updates_live_then_cancel(dash, alice, fleet):
     expect(dash.locator("#live-points")).to_have_text(str(len(points)), timeout=15_000)
     assert dash.evaluate("window.__sameDocument") is True
     expect(dash.locator("#kpi-tokens-per-s")).to_have_text("8 k")  # 5000 + 3000 from two learners
+    expect(dash.locator('#learners tr[data-learner="1"] [data-field="staleness"]')).to_have_text("1")
     expect(dash.locator("#kpi-val-loss")).to_have_text("3.100")
     row = dash.locator('#learners tr[data-learner="0"]')
     expect(row.locator('[data-field="loss"]')).to_have_text("3.050")

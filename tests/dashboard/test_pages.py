@@ -194,3 +194,19 @@ def test_fleet_live_json(client, alice, job_factory, fleet):
     v100 = next(p for p in body["pools"] if p["slug"] == "v100-lab")
     assert v100["busy"] == 2 and v100["utilisation"] == 0.5 and v100["tokens_per_s"] == 3000.0
     assert v100["state"] == "active" and v100["nodes_total"] == 1
+
+
+@pytest.mark.django_db
+def test_learner_steps_become_job_tokens_and_throughput_is_derived(alice, job_factory):
+    job = job_factory(alice, learners=2)
+    lrs = list(job.learners.all())
+    t0 = timezone.now() - timedelta(seconds=200)
+    MetricPoint.objects.bulk_create([
+        MetricPoint(job=job, learner=lr, name="train_loss", step=1000 * i, value=3.0,
+                    time=t0 + timedelta(seconds=i)) for i in range(100) for lr in lrs])
+    MetricPoint.objects.create(job=job, name="val_loss", step=198_000, value=2.9, time=t0 + timedelta(seconds=99))
+    out = downsample([job.pk], ["train_loss", "val_loss", "tokens_per_s"], buckets=20)[job.pk]
+    # each learner at 99k tokens: the job at 198k, like the job-level val_loss point
+    assert out["train_loss"][-1][0] == 198_000 and out["val_loss"][-1][0] == 198_000
+    rates = [v for _, _, v in out["tokens_per_s"]]
+    assert rates and all(math.isclose(r, 2000.0, rel_tol=0.01) for r in rates)  # 2 learners x 1000 tok/s

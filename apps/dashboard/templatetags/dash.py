@@ -105,8 +105,9 @@ def kwh(joules) -> str:
 
 
 @register.filter
-def progress(job) -> float | None:
-    """Fraction of the job's token budget computed so far (from its spec), or None."""
+def budget(job) -> int | None:
+    """The job's token budget from its spec (learners x steps x batch x sequence, capped by
+    max_tokens), or None."""
     spec = job.spec if isinstance(job.spec, dict) else {}
     try:
         budget = int(spec.get("learners", 0)) * int(spec.get("steps", 0)) * int(spec.get("batch_size", 0)) \
@@ -115,6 +116,11 @@ def progress(job) -> float | None:
             budget = min(budget, int(spec["max_tokens"])) if budget else int(spec["max_tokens"])
     except (TypeError, ValueError):
         return None
-    if budget <= 0:
-        return None
-    return min(1.0, job.tokens_computed / budget)
+    return budget if budget > 0 else None
+
+
+@register.filter
+def progress(job) -> float | None:
+    """Fraction of the job's token budget computed so far, or None."""
+    total = budget(job)
+    return None if total is None else min(1.0, job.tokens_computed / total)
