@@ -177,6 +177,12 @@ def watchdog() -> dict:
             ensure_syncer(job)
         else:
             settle_pause(job)
+    # learners of jobs that ended or paused before they started
+    Learner.objects.filter(state=Learner.State.PENDING, job__status__in=(*st.TERMINAL, st.PAUSED)) \
+        .update(state=Learner.State.STOPPED)
+    Learner.objects.filter(state=Learner.State.STARTING,
+                           job__status__in=(*st.TERMINAL, st.PAUSING, st.PAUSED),
+                           runtime__dispatched_at__lt=start_cut).update(state=Learner.State.STOPPED)
     # jobs whose submit kick was lost
     for job in Job.objects.filter(status=st.QUEUED, updated_at__lt=t - timedelta(seconds=5))[:10]:
         start_job(job)

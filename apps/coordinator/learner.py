@@ -193,6 +193,9 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
         return "fenced: not the current incarnation"
     job = learner.job
     if job.status != st.RUNNING or learner.state not in (Learner.State.STARTING, Learner.State.PENDING):
+        if job.status != st.RUNNING:  # paused or ended before this slot picked the task up
+            Learner.objects.filter(pk=learner.pk, incarnation=incarnation,
+                                   state=Learner.State.STARTING).update(state=Learner.State.STOPPED)
         return f"not started: job {job.status}, learner {learner.state}"
     worker = hostname or socket.gethostname()
     node = None

@@ -147,6 +147,13 @@ class SyncerRun:
                    if f[2] in (Learner.State.RUNNING, Learner.State.STARTING, Learner.State.PENDING))
         self.syncer.set_expected_learners(max(1, live))
         self.live = live
+        self.beats = getattr(self, "beats", 0) + 1
+        if self.beats % 10 == 0:  # running totals for dashboards (final figures at the end)
+            from django.db.models import Sum
+
+            computed = LearnerRuntime.objects.filter(learner__job_id=self.job_id) \
+                .aggregate(n=Sum("tokens_computed"))["n"] or 0
+            Job.objects.filter(pk=self.job_id).update(tokens_computed=computed)
         return status
 
     # ------------------------------------------------------------------ contributions

@@ -198,9 +198,14 @@ class LearnerLoop:
         if start >= pos:
             return
         key = keys.contrib_key(self.job, self.index, self.incarnation, c.fragment, c.base_version, start, pos)
-        blob = c.to_bytes(self.compression)
-        self.bytes_sent += len(blob)
-        self.writer.put(key, blob)
+        compression = self.compression
+
+        def encode() -> bytes:  # in the writer thread: the contribution's tensors are its own copies
+            blob = c.to_bytes(compression)
+            self.bytes_sent += len(blob)
+            return blob
+
+        self.writer.put(key, encode)
         self.outstanding[c.fragment] = (key, self.clock(), c.base_version)
         self.frag_pos[c.fragment] = pos
         self.contributions += 1
