@@ -203,7 +203,7 @@ def job_new(request):
 
 
 def _empty_health() -> dict:
-    return {"n": 0, "norm": 0.0, "cos": 0.0, "ncos": 0, "last_norm": None, "last_cos": None}
+    return {"n": 0, "norm": 0.0, "nnorm": 0, "cos": 0.0, "ncos": 0, "last_norm": None, "last_cos": None}
 
 
 def _recent_outer_steps(job: Job) -> list[dict]:
@@ -225,6 +225,7 @@ def _contribution_health(outer_steps: list[dict], learners: list[Learner]) -> tu
             a["n"] += 1
             if isinstance(c.get("norm"), int | float):
                 a["norm"] += c["norm"]
+                a["nnorm"] += 1
                 a["last_norm"] = c["norm"]
             if isinstance(c.get("cosine"), int | float):
                 a["cos"] += c["cosine"]
@@ -235,7 +236,7 @@ def _contribution_health(outer_steps: list[dict], learners: list[Learner]) -> tu
         a = acc.get(lr.index) or _empty_health()
         mean_cos = a["cos"] / a["ncos"] if a["ncos"] else None
         rows.append({
-            "learner": lr, "merged": a["n"], "mean_norm": a["norm"] / a["n"] if a["n"] else None,
+            "learner": lr, "merged": a["n"], "mean_norm": a["norm"] / a["nnorm"] if a["nnorm"] else None,
             "last_norm": a["last_norm"], "mean_cosine": mean_cos, "last_cosine": a["last_cos"],
             "rejected": lr.rejected_contributions,
             "healthy": (mean_cos is None or mean_cos > 0) and lr.rejected_contributions <= a["n"],
