@@ -204,7 +204,8 @@ def test_learner_steps_become_job_tokens_and_throughput_is_derived(alice, job_fa
     MetricPoint.objects.bulk_create([
         MetricPoint(job=job, learner=lr, name="train_loss", step=1000 * i, value=3.0,
                     time=t0 + timedelta(seconds=i)) for i in range(100) for lr in lrs])
-    MetricPoint.objects.create(job=job, name="val_loss", step=198_000, value=2.9, time=t0 + timedelta(seconds=99))
+    MetricPoint.objects.create(job=job, name="val_loss", step=198_000, value=2.9,
+                               time=t0 + timedelta(seconds=99))
     out = downsample([job.pk], ["train_loss", "val_loss", "tokens_per_s"], buckets=20)[job.pk]
     # each learner at 99k tokens: the job at 198k, like the job-level val_loss point
     assert out["train_loss"][-1][0] == 198_000 and out["val_loss"][-1][0] == 198_000
