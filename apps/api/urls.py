@@ -21,6 +21,8 @@ v1 = [
     path("agent/assignments/", agent.AssignmentListView.as_view(), name="agent-assignments"),
     re_path(r"^agent/jobs/(?P<job_id>[0-9]+)/learners/(?P<index>[0-9]+)/$",
             agent.AssignmentView.as_view(), name="agent-assignment"),
+    re_path(r"^agent/jobs/(?P<job_id>[0-9]+)/learners/(?P<index>[0-9]+)/global/(?P<fragment>[0-9]{1,4})/$",
+            agent.GlobalFragmentView.as_view(), name="agent-global-fragment"),
     path("", include(router.urls)),
     re_path(r"^.*$", not_found),  # JSON 404 for every other /api/v1/ path
 ]

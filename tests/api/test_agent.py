@@ -62,3 +62,24 @@ def test_assignment_list_is_scoped(alice, bob, alice_job, pool_a, pool_b, token_
     assert [(r["job"], r["index"]) for r in rows] == [(alice_job.pk, 0), (alice_job.pk, 1)]
     rows = client_for(token=token_b).get("/api/v1/agent/assignments/").json()
     assert [r["pool"] for r in rows] == ["pool-b"]
+
+
+def test_global_fragment_blob_is_scoped_to_the_pool(alice, pool_a, pool_b, token_a, token_b, settings, tmp_path):
+    transport = pytest.importorskip("trainer.transport")
+    keys = pytest.importorskip("trainer.runtime.keys")
+    settings.BLOB_STORE_URL = f"file://{tmp_path}"
+    job = make_job(alice, pool=pool_a, fragments=2, inner_steps=4)
+    store = transport.open_store(settings.BLOB_STORE_URL)
+    store.put(keys.global_key(job.pk, 1, 3), b"v3-bytes")
+    store.put(keys.global_key(job.pk, 1, 12), b"v12-bytes")
+    base = f"/api/v1/agent/jobs/{job.pk}/learners/0/global/"
+    r = client_for(token=token_a).get(base + "1/")
+    assert r.status_code == 200 and b"".join(r.streaming_content) == b"v12-bytes"
+    assert r["X-Blob-Key"] == keys.global_key(job.pk, 1, 12)
+    r = client_for(token=token_a).get(base + "1/?version=3")
+    assert b"".join(r.streaming_content) == b"v3-bytes"
+    assert client_for(token=token_a).get(base + "0/").status_code == 404  # no version yet
+    assert client_for(token=token_a).get(base + "2/").status_code == 404  # no such fragment
+    assert client_for(token=token_a).get(base + "1/?version=x").status_code == 400
+    # the token of another pool reads nothing of this job
+    assert client_for(token=token_b).get(base + "1/").status_code == 403

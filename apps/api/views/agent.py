@@ -1,9 +1,10 @@
 """Worker endpoints: a pool token reads the assignments of learners placed on its own pool only."""
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import generics
-from rest_framework.exceptions import NotFound, PermissionDenied
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 
 from apps.jobs import state as st
 from apps.jobs.models import Job, Learner
@@ -11,6 +12,7 @@ from apps.jobs.models import Job, Learner
 from .. import serializers as s
 from ..authentication import PoolTokenAuthentication
 from ..permissions import IsPoolAgent
+from .checkpoints import blob_response
 
 
 class AgentMixin:
@@ -45,3 +47,30 @@ class AssignmentView(AgentMixin, generics.RetrieveAPIView):
         if learner.job.status in st.TERMINAL:
             raise PermissionDenied(f"Job {job_id} is {learner.job.status}; it has no live assignments.")
         return learner
+
+
+@extend_schema(tags=["agent"], parameters=[
+    OpenApiParameter("version", int, description="a given version (default: the newest)")],
+    responses={(200, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY)})
+class GlobalFragmentView(AssignmentView):
+    """The global weights of one fragment (newest version, or ?version=), for a learner of the
+    token's pool: workers without blob-store credentials fetch them over HTTPS."""
+
+    def get(self, request, *args, **kwargs):
+        from trainer.runtime import keys
+
+        learner = self.get_object()
+        fragment = int(self.kwargs["fragment"])
+        if fragment >= int((learner.job.spec or {}).get("fragments", 1)):
+            raise NotFound(f"Job {learner.job_id} has no fragment {fragment}.")
+        version = request.query_params.get("version")
+        if version is not None and not (version.isdigit() and len(version) <= 8):
+            raise ValidationError({"version": ["Must be a non-negative integer."]})
+        prefix = keys.global_key(learner.job_id, fragment, 0).rsplit("/", 1)[0] + "/"
+
+        def locate(store):
+            if version is not None:
+                return keys.global_key(learner.job_id, fragment, int(version))
+            return store.latest(prefix)
+
+        return blob_response(locate, f"job{learner.job_id}-f{fragment:03d}.bin")

@@ -23,12 +23,16 @@ CHUNK = 1 << 20
 log = logging.getLogger(__name__)
 
 
-def _store_and_key(blob_uri: str):
-    """(store, key) for a checkpoint's blob_uri: a key of the configured store, or a full URL."""
+def _store_and_key(blob_uri):
+    """(store, key) for a blob_uri (a key of the configured store, or a full URL), or for a
+    callable that finds the key in the configured store."""
     try:
         from trainer.transport import open_store
     except ImportError:
         raise ServiceUnavailable("The blob store is not available on this server.") from None
+    if callable(blob_uri):
+        store = open_store(settings.BLOB_STORE_URL)
+        return store, blob_uri(store)
     base = settings.BLOB_STORE_URL.rstrip("/")
     if blob_uri.startswith(base + "/"):
         return open_store(settings.BLOB_STORE_URL), blob_uri[len(base) + 1:]
@@ -42,6 +46,31 @@ def _chunks(data: bytes):
     view = memoryview(data)
     for i in range(0, len(view), CHUNK):
         yield bytes(view[i:i + CHUNK])
+
+
+def blob_response(locate, filename: str, sha256: str | None = None, what: str = "blob"):
+    """Stream a blob of the store; `locate(store)` gives its key (or None when there is none yet).
+    Missing blob: 404; any store failure: 503 (never a 500)."""
+    try:
+        store, key = _store_and_key(locate)
+        data = store.get(key) if key else None
+    except APIException:
+        raise
+    except (KeyError, FileNotFoundError):
+        data = None
+    except Exception as exc:  # any backend (file, redis, s3) failing is the store's problem, not a 500
+        log.warning("%s: blob store read failed: %r", filename, exc)
+        raise ServiceUnavailable(f"The blob store could not be read: {exc.__class__.__name__}.") from None
+    if data is None:
+        raise NotFound(f"The {what} is not in the store (yet).")
+    resp = StreamingHttpResponse(_chunks(data), content_type="application/octet-stream")
+    resp["Content-Length"] = str(len(data))
+    resp["Content-Disposition"] = f'attachment; filename="{filename}"'
+    if sha256:
+        resp["X-Checksum-SHA256"] = sha256
+    if key:
+        resp["X-Blob-Key"] = key
+    return resp
 
 
 class CheckpointViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
@@ -71,19 +100,5 @@ class CheckpointViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
     def download(self, request, pk=None):
         """The checkpoint file (safetensors), with its SHA-256 in `X-Checksum-SHA256`."""
         ckpt = self.get_object()
-        try:
-            store, key = _store_and_key(ckpt.blob_uri)
-            data = store.get(key)
-        except APIException:
-            raise
-        except (KeyError, FileNotFoundError):
-            raise NotFound(f"The blob of checkpoint {ckpt.pk} is missing from the store.") from None
-        except Exception as exc:  # any backend (file, redis, s3) failing is the store's problem, not a 500
-            log.warning("checkpoint %s: blob store read failed: %r", ckpt.pk, exc)
-            raise ServiceUnavailable(f"The blob store could not be read: {exc.__class__.__name__}.") from None
         name = f"job{ckpt.job_id}-{ckpt.kind}-v{ckpt.version:05d}.safetensors"
-        resp = StreamingHttpResponse(_chunks(data), content_type="application/octet-stream")
-        resp["Content-Length"] = str(len(data))
-        resp["Content-Disposition"] = f'attachment; filename="{name}"'
-        resp["X-Checksum-SHA256"] = ckpt.sha256
-        return resp
+        return blob_response(ckpt.blob_uri, name, ckpt.sha256, what=f"blob of checkpoint {ckpt.pk}")
