@@ -212,6 +212,11 @@ class Learner:
             self._contribute(p)
         return self.due_contributions()
 
+    def refused(self, p: int) -> None:
+        """The syncer refused the outstanding contribution for fragment p: none of it was applied,
+        so the progress stays local and goes out, whole, with the next scheduled contribution."""
+        self._sent[p] = None
+
     def outstanding(self, p: int) -> bool:
         return self._sent[p] is not None
 

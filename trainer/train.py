@@ -274,6 +274,8 @@ class LocalRun:
             result = self.syncer.submit(received)
             if not result.accepted:
                 self.rejected.append(result.reason)
+                if not result.reason.startswith("duplicate"):
+                    self.learners[c.learner].refused(c.fragment)
 
     def _merge(self, p: int, force: bool = False) -> None:
         result = self.syncer.merge(p, force=force)

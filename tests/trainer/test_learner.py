@@ -155,3 +155,18 @@ def test_bf16_autocast_step(learner):
     r = lrn.step()
     assert r.loss == r.loss and 4.0 < r.loss < 7.0
     assert all(p.dtype == torch.float32 for p in lrn.params.values())   # master weights stay fp32
+
+
+def test_refused_contribution_goes_out_again_with_the_next_one(learner):
+    lrn = learner(inner_steps=2, steps=12)
+    lrn.step()
+    lrn.step()
+    (first,) = lrn.due_contributions()
+    lrn.refused(0)                                    # e.g. the syncer found it stale
+    assert not lrn.outstanding(0)
+    lrn.step()
+    lrn.step()
+    (again,) = lrn.due_contributions()
+    assert again.base_version == first.base_version and again.inner_steps == 4
+    for n in again.tensors:
+        torch.testing.assert_close(again.tensors[n], lrn.base[0][n] - lrn.params[n].detach())
