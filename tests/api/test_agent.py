@@ -64,7 +64,7 @@ def test_assignment_list_is_scoped(alice, bob, alice_job, pool_a, pool_b, token_
     assert [r["pool"] for r in rows] == ["pool-b"]
 
 
-def test_global_fragment_blob_is_scoped_to_the_pool(alice, pool_a, pool_b, token_a, token_b, settings, tmp_path):
+def test_global_fragment_blob_is_scoped_to_the_pool(alice, pool_a, token_a, token_b, settings, tmp_path):
     transport = pytest.importorskip("trainer.transport")
     keys = pytest.importorskip("trainer.runtime.keys")
     settings.BLOB_STORE_URL = f"file://{tmp_path}"
