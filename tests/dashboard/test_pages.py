@@ -141,7 +141,8 @@ def test_query_counts_stay_bounded(client, staff_user, django_assert_max_num_que
 
 @pytest.mark.django_db
 def test_overview_shows_sparklines_incidents_and_energy(client, alice, job_factory):
-    job = job_factory(alice, name="sparky", energy_j=7.2e6, cost=12.5)
+    job = job_factory(alice, name="sparky", energy_j=7.2e6, cost=12.5, tokens_computed=1000,
+                      tokens_contributed=930)
     _points(job, 200)
     _points(job, 200, name="goodput")
     Incident.objects.create(job=job, kind="learner_lost", description="open one",
@@ -152,6 +153,7 @@ def test_overview_shows_sparklines_incidents_and_energy(client, alice, job_facto
     assert "open one" in body
     assert 'data-pool="h100-east"' in body and "h100-east" in body  # fleet utilisation by pool
     assert "2.00 kWh" in body and "12.50" in body
+    assert "93 % now" in body  # goodput from the job's counters, beside its sparkline
 
 
 @pytest.mark.django_db
