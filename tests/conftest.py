@@ -23,3 +23,16 @@ def alice(django_user_model):
 @pytest.fixture
 def bob(django_user_model):
     return django_user_model.objects.create_user("bob", "bob@example.com", "pw-bob-123")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Run the browser tests last.
+
+    Playwright's sync API keeps an event loop running in the main thread for the rest of
+    the session; pytest-asyncio tests collected after it would fail to start their own.
+    """
+    browser = [i for i in items if "tests/browser/" in i.nodeid or i.nodeid.startswith("browser/")]
+    if browser:
+        rest = [i for i in items if i not in browser]
+        items[:] = rest + browser
