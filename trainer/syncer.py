@@ -120,6 +120,7 @@ class Syncer:
         self.rejections: dict[str, int] = {}
         self.merges = 0
         self._rounds: dict[int, _Round] = {p: _Round() for p in range(len(self.fragments))}
+        self._acc: dict[tuple[str, ...], list[torch.Tensor]] = {}
         self._last_arrival: dict[tuple[int, int], float] = {}
         self.xi_step = _Ema(config.ema_beta)
         self.xi_quorum = _Ema(config.ema_beta)
@@ -265,8 +266,8 @@ class Syncer:
         names = self.fragments[fragment]
         deltas = [[e.contribution.tensors[n] for n in names] for e in entries]
         merged = self._combine(names, deltas, norm_w)
-        self._outer_step(names, merged)
         merged_norm = math.sqrt(sum(float(x) ** 2 for x in torch._foreach_norm(merged)))
+        self._outer_step(names, merged)  # consumes `merged` (a fresh buffer) in place
         new_version = version + 1
         self.versions[fragment] = new_version
         contributors = []
@@ -321,7 +322,12 @@ class Syncer:
                 dn = float(direction.norm())
                 out.append(direction.mul_(magnitude / dn) if dn > 0 else direction)
             return out
-        acc = torch._foreach_mul(deltas[0], w[0])
+        # one accumulator per fragment, reused across merges (no fresh allocation, no page faults)
+        acc = self._acc.get(tuple(names))
+        if acc is None:
+            acc = self._acc[tuple(names)] = [torch.empty_like(d) for d in deltas[0]]
+        for a, d in zip(acc, deltas[0], strict=True):
+            torch.mul(d, w[0], out=a)
         for m in range(1, len(deltas)):
             torch._foreach_add_(acc, deltas[m], alpha=w[m])
         return acc
@@ -341,8 +347,8 @@ class Syncer:
         if present:
             torch._foreach_mul_([bufs[i] for i in present], mu)
             torch._foreach_add_([bufs[i] for i in present], [grads[i] for i in present])
-        step = torch._foreach_add(grads, bufs, alpha=mu)  # same op order as torch.optim.SGD
-        torch._foreach_add_(params, step, alpha=-lr)
+        torch._foreach_add_(grads, bufs, alpha=mu)  # g + mu b, the op order of torch.optim.SGD
+        torch._foreach_add_(params, grads, alpha=-lr)
 
     def _prune(self, fragment: int) -> None:
         floor = self.versions[fragment] - self.config.max_staleness
