@@ -82,6 +82,7 @@ class SyncerRun:
         self.ledger = Ledger()
         self.commits = 0
         self.head: dict[int, int] = {}
+        self.head_epochs: dict[int, int] = {}
         self.seen: set[str] = set()
         self.pending: dict[str, keys.ContribRef] = {}  # key -> ref, submitted, awaiting merge
         self.fences: dict[int, tuple[int, dict | None]] = {}
@@ -120,11 +121,13 @@ class SyncerRun:
                     self.seen.add(key)
             self.counters.update(snap.get("counters", {}))
             self.commits = lease.commits
-            self.head = {int(k): int(v) for k, v in lease.head.items()}
+            saved = dict(lease.head)
+            self.head_epochs = {int(k): int(v) for k, v in (saved.pop("epochs", None) or {}).items()}
+            self.head = {int(k): int(v) for k, v in saved.items()}
             self.last_eval_commit = snap.get("last_eval_commit", self.commits)
             self.last_ckpt_commit = snap.get("last_ckpt_commit", self.commits)
             # make sure learners see the committed head (step 4 may not have happened)
-            self.store.put(keys.head_key(self.job_id), json.dumps(self.head).encode())
+            self.store.put(keys.head_key(self.job_id), keys.head_blob(self.head, self.head_epochs))
             log.info("syncer of job %s resumed at commit %s (epoch %s)",
                      self.job_id, self.commits, self.epoch)
         elif self.job.initial_val_loss is None:
@@ -312,14 +315,15 @@ class SyncerRun:
         self.counters["tokens_contributed"] += tokens_equiv
         t_blob = time.perf_counter()
         blob = r.global_fragment.to_bytes("none")
-        gkey = keys.global_key(self.job_id, p, v)
+        gkey = keys.global_key(self.job_id, p, v, self.epoch)
         self.store.put(gkey, blob)
         self.timing["blob_s"] += time.perf_counter() - t_blob
         self.timing["merge_s"] += merge_s
         t_snap = time.perf_counter()
         self.commits += 1
         self.head[p] = v
-        snap_key = keys.syncer_state_key(self.job_id, self.commits)
+        self.head_epochs[p] = self.epoch
+        snap_key = keys.syncer_state_key(self.job_id, self.commits, self.epoch)
         self.store.put(snap_key, codec.pack({
             "syncer": self.syncer.state_dict(), "ledger": self.ledger.to_dict(), "counters": self.counters,
             "pending": sorted(self.pending),
@@ -336,7 +340,7 @@ class SyncerRun:
                                      merged_norm=float(r.merged_norm), duration_s=merge_s, blob_uri=gkey)
             old_key = lease.state_key
             SyncerLease.objects.filter(pk=lease.pk).update(
-                commits=self.commits, state_key=snap_key, head={str(k): x for k, x in self.head.items()},
+                commits=self.commits, state_key=snap_key, head=self._head_json(),
                 last_heartbeat=now(), duplicates_refused=self.counters["duplicates_refused"],
                 zombies_refused=self.counters["zombies_refused"])
             Job.objects.filter(pk=self.job_id).update(
@@ -347,8 +351,7 @@ class SyncerRun:
                     tokens_contributed=F("tokens_contributed") + (u.end - u.start) // max(1, self.P))
         self.timing["db_s"] += time.perf_counter() - t_db
         t_blob = time.perf_counter()
-        head = json.dumps({str(k): x for k, x in self.head.items()}).encode()
-        self.store.put(keys.head_key(self.job_id), head)
+        self.store.put(keys.head_key(self.job_id), keys.head_blob(self.head, self.head_epochs))
         for u in used:
             with contextlib.suppress(Exception):
                 self.store.delete(u.key)
@@ -365,6 +368,10 @@ class SyncerRun:
         if self.commits - self.last_ckpt_commit >= int(self.spec.get("checkpoint_interval", 10)):
             self.last_ckpt_commit = self.commits
             self.export(Checkpoint.Kind.PERIODIC)
+
+    def _head_json(self) -> dict:
+        return {**{str(k): x for k, x in self.head.items()},
+                "epochs": {str(k): x for k, x in self.head_epochs.items()}}
 
     def _tokens(self) -> int:
         return int(self.counters["tokens_contributed"])

@@ -83,3 +83,14 @@ def test_ledger_detects_overlaps_and_merges_ranges():
     assert led.covered(0, 0) == 250
     again = Ledger(led.to_dict())
     assert again.ranges == led.ranges
+
+
+def test_head_and_global_keys_carry_the_committing_epoch():
+    blob = keys.head_blob({0: 5, 1: 3}, {0: 1, 1: 2})
+    versions, epochs = keys.parse_head(blob)
+    assert versions == {0: 5, 1: 3} and epochs == {0: 1, 1: 2}
+    # a fenced syncer (epoch 1) can never overwrite what epoch 2 committed for the same version
+    assert keys.global_key(7, 1, 3, 2) != keys.global_key(7, 1, 3, 1)
+    assert keys.syncer_state_key(7, 9, 2) != keys.syncer_state_key(7, 9, 1)
+    # heads written without epochs still parse
+    assert keys.parse_head(b'{"0": 4}') == ({0: 4}, {})

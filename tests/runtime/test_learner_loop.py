@@ -1,7 +1,6 @@
 """The learner loop against a real engine Learner/Syncer and an in-memory blob store (no Django)."""
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -101,8 +100,8 @@ def test_refused_contribution_does_not_block_the_learner(corpus):
     contrib = Contribution.from_bytes(store.get(key))
     assert syncer.submit(contrib).accepted
     merged = syncer.merge(0, force=True)
-    store.put(keys.global_key("j", 0, merged.version), merged.global_fragment.to_bytes())
-    store.put(keys.head_key("j"), json.dumps({"0": merged.version}).encode())
+    store.put(keys.global_key("j", 0, merged.version, 1), merged.global_fragment.to_bytes())
+    store.put(keys.head_key("j"), keys.head_blob({0: merged.version}, {0: 1}))
     store.delete(key)
     assert loop.poll_globals() == 1  # adopted v1: the answer to its first send
     for _ in range(4):

@@ -1,12 +1,15 @@
 """Blob-store layout of a job (every key starts with jobs/<job>/).
 
-    global/f<PPP>/v<VVVVVVVV>           a GlobalFragment (written before its OuterStep row)
-    head                                JSON {fragment: version} of committed versions (after the row)
+    global/f<PPP>/v<VVVVVVVV>-e<EEEE>   a GlobalFragment written by syncer epoch E (before its
+                                        OuterStep row; the epoch keeps a fenced syncer from
+                                        overwriting a committed version)
+    head                                JSON {fragment: version, "epochs": {fragment: epoch}} of
+                                        committed versions (written after the row)
     contrib/l<LLL>-i<IIII>-f<PPP>-v<BBBBBBBB>-t<start>-<end>
                                         a Contribution; [start, end) is the learner's token-stream
                                         range behind it (exactly-once accounting)
     learners/l<LLL>/i<IIII>             newest checkpoint of that learner incarnation
-    syncer/s<CCCCCCCC>                  syncer snapshot after commit C
+    syncer/s<CCCCCCCC>-e<EEEE>          syncer snapshot after commit C by epoch E
     checkpoints/v<VVVVVVVV>-<kind>.safetensors   model exports (periodic / final)
 """
 from __future__ import annotations
@@ -19,8 +22,26 @@ def job_prefix(job) -> str:
     return f"jobs/{job}/"
 
 
-def global_key(job, fragment: int, version: int) -> str:
-    return f"jobs/{job}/global/f{fragment:03d}/v{version:08d}"
+def global_key(job, fragment: int, version: int, epoch: int | None = None) -> str:
+    base = f"jobs/{job}/global/f{fragment:03d}/v{version:08d}"
+    return base if epoch is None else f"{base}-e{int(epoch):04d}"
+
+
+def head_blob(versions: dict, epochs: dict) -> bytes:
+    import json
+
+    out: dict = {str(k): int(v) for k, v in versions.items()}
+    out["epochs"] = {str(k): int(v) for k, v in epochs.items()}
+    return json.dumps(out).encode()
+
+
+def parse_head(blob: bytes) -> tuple[dict[int, int], dict[int, int]]:
+    """(versions, epochs) from a head blob; epochs empty for heads written without them."""
+    import json
+
+    data = json.loads(blob)
+    epochs = {int(k): int(v) for k, v in (data.pop("epochs", None) or {}).items()}
+    return {int(k): int(v) for k, v in data.items()}, epochs
 
 
 def head_key(job) -> str:
@@ -77,8 +98,8 @@ def parse_learner_ckpt_incarnation(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def syncer_state_key(job, commit: int) -> str:
-    return f"jobs/{job}/syncer/s{commit:08d}"
+def syncer_state_key(job, commit: int, epoch: int = 0) -> str:
+    return f"jobs/{job}/syncer/s{commit:08d}-e{int(epoch):04d}"
 
 
 def checkpoint_key(job, version: int, kind: str) -> str:

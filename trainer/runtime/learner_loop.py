@@ -14,7 +14,6 @@ resume point; the syncer accepts older incarnations' contributions only up to it
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -103,6 +102,7 @@ class LearnerLoop:
         self.writer = OrderedWriter(store)
         self.frag_pos: dict[int, int] = {}
         self.head_versions: dict[int, int] = {}
+        self.head_epochs: dict[int, int] = {}
         self.contributions = 0
         self.bytes_sent = 0
         self.last_loss: float | None = None
@@ -135,17 +135,17 @@ class LearnerLoop:
     def poll_globals(self, force: bool = False) -> int:
         """Adopt committed global fragments newer than what this learner has; returns how many."""
         try:
-            head = json.loads(self.store.get(keys.head_key(self.job)))
+            head, epochs = keys.parse_head(self.store.get(keys.head_key(self.job)))
         except Exception:
             return 0
+        self.head_epochs = epochs
         adopted = 0
         have = getattr(self.learner, "adopted_versions", {}) or {}
         for p, v in head.items():
-            p, v = int(p), int(v)
             self.head_versions[p] = v
             if v > have.get(p, -1):
                 try:
-                    g = self.decode_global(self.store.get(keys.global_key(self.job, p, v)))
+                    g = self.decode_global(self.store.get(keys.global_key(self.job, p, v, epochs.get(p))))
                 except Exception:
                     log.warning("global fragment %s v%s unreadable", p, v, exc_info=True)
                     continue
@@ -171,9 +171,10 @@ class LearnerLoop:
                 continue
             if now - t_push < self.stall_after or self.store.exists(key):
                 continue
-            v = int(head.get(str(p), head.get(p, have.get(p, 0))))
+            v = int(head.get(p, have.get(p, 0)))
             try:
-                g = self.decode_global(self.store.get(keys.global_key(self.job, p, v))) if v > 0 else None
+                key = keys.global_key(self.job, p, v, self.head_epochs.get(p))
+                g = self.decode_global(self.store.get(key)) if v > 0 else None
             except Exception:
                 continue
             if g is None:
