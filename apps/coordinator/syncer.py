@@ -1,14 +1,15 @@
 """The syncer task body: the engine's Syncer for one job, wired to the blob store and the database.
 
 Commit of an outer step (fragment p, version v), in this order:
-  1. blob  jobs/<job>/global/f<p>/v<v>                 (the new global fragment)
-  2. blob  jobs/<job>/syncer/s<n>                      (snapshot: syncer state + ledger)
+  1. blob  jobs/<job>/global/f<p>/v<v>-e<epoch>        (the new global fragment)
+  2. blob  jobs/<job>/syncer/s<n>-e<epoch>             (snapshot: syncer state + ledger)
   3. DB    one transaction: lease epoch check, OuterStep row, lease.commits/state_key/head,
            job counters                                 (the commit point)
   4. blob  jobs/<job>/head                             (learners adopt only committed versions)
   5. delete the merged contribution blobs
 A syncer restarted at any point resumes from the snapshot of the last committed row; blobs
-written after it are overwritten or ignored, and the ledger of applied token ranges (per
+written after it are ignored (keys carry the writer's epoch, so a fenced syncer cannot overwrite
+what a newer one committed), and the ledger of applied token ranges (per
 learner and fragment) in the snapshot means no contribution is ever applied twice.
 """
 from __future__ import annotations
