@@ -81,3 +81,22 @@ def test_failures_hurt_lockstep_most(corpus):
     spec = small_spec(failures=FailureModel(enabled=True, chip_mtbi_s=YEAR_S / 300))
     got = {s: run_strategy(spec, s, corpus)["goodput"] for s in ("ddp", "elastic-ddp", "decoupled")}
     assert got["ddp"] < got["elastic-ddp"] < got["decoupled"], got
+
+
+def test_pool_failure_rebalancer_moves_learners_to_a_healthy_pool(corpus):
+    from trainer.sim.fleet import PoolProfile
+
+    spec = small_spec(
+        failures=FailureModel(enabled=True, chip_mtbi_s=1e30, pool_mtbf_s=60.0, pool_repair_s=300.0)
+    )
+    pools = [
+        PoolProfile("dc", "h100-sxm", 10_000.0, 0.01),
+        PoolProfile("spare", "h100-sxm", 10_000.0, 0.01, spare_slots=4, whole_pool_failures=False),
+    ]
+    spec = replace(spec, pools=pools, placement=["dc", "dc", "spare", "spare"])
+    stay = run_strategy(spec, "decoupled", corpus)
+    move = run_strategy(spec, "decoupled+rebalance", corpus)
+    assert stay["failures"] > 0 and not stay["moves"]
+    assert move["moves"] and all(m["to"] == "spare" for m in move["moves"][:2])
+    assert move["goodput"] > stay["goodput"]
+    assert move["time_s"] < stay["time_s"]

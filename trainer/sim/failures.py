@@ -90,6 +90,7 @@ def poisson_times(rng: np.random.Generator, rate: float, start: float, end: floa
 
 
 CHUNK_S = 3600.0
+MAX_LOOKAHEAD_S = 1000 * CHUNK_S
 
 
 class LazyPoisson:
@@ -123,6 +124,8 @@ class LazyPoisson:
             i = int(np.searchsorted(self.times, t, side="right"))
             if i < len(self.times):
                 return float(self.times[i])
+            if self.upto > t + MAX_LOOKAHEAD_S:
+                return float("inf")  # nothing within the look-ahead: treated as never
             self._grow()
 
     def last_at_or_before(self, t: float) -> float | None:

@@ -43,6 +43,7 @@ class PoolProfile:
     latency_ms: float = 1.0
     spare_slots: int = 0  # whole learner islands that can still be placed here
     speed_factor: float = 1.0
+    whole_pool_failures: bool = True  # subject to FailureModel.pool_mtbf_s
 
     @property
     def acc(self) -> catalogue.Accelerator:

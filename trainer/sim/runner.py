@@ -103,7 +103,12 @@ class _Run:
         self.islands = [Island(i, self.pools[slug], spec.chips[i]) for i, slug in enumerate(spec.placement)]
         self.links = {p.slug: Link(p.slug, p.link_gbps, p.latency_ms) for p in self.pools.values()}
         self.ledgers = [Ledger() for _ in self.islands]
-        self.sched = FailureSchedule(spec.failures, spec.chips, list(self.pools), spec.seed)
+        self.sched = FailureSchedule(
+            spec.failures,
+            spec.chips,
+            [p.slug for p in self.pools.values() if p.whole_pool_failures],
+            spec.seed,
+        )
         self.stall = _Stall()
         self.curve: list[dict] = []
         self.marks: list[dict] = []  # failures, recoveries, moves (virtual time)
@@ -532,7 +537,7 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
         run.stall.set(t, stalled)
 
     def checkpoint(s: _L) -> None:
-        s.ckpt = copy.deepcopy(s.learner.state_dict())
+        s.ckpt = _snapshot(s.learner)
         s.ckpt_steps = s.learner.inner_steps
         s.steps_since_ckpt = 0
 
@@ -732,10 +737,31 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
             slug = d["slug"]
             until = run.sched.pool_down_until(slug, t) or t
             run.marks.append({"t": t, "kind": "pool failure", "pool": slug})
-            for i, isl in enumerate(run.islands):
-                if isl.pool.slug == slug and slots[i].up:
-                    go_down(i, t, "failure")
-                    q.push(max(t + rec.D, until), "up", i=i, inc=slots[i].incarnation)
+            downs = [i for i, isl in enumerate(run.islands) if isl.pool.slug == slug and slots[i].up]
+            for i in downs:
+                go_down(i, t, "failure")
+            moved = set()
+            if rebalance and downs:
+                # the rebalancer re-dispatches the pool's learners to free slots elsewhere
+                infos, chips = _pool_infos(run, t)
+                for pi in infos:
+                    if pi.slug == slug:
+                        pi.state = "disabled"
+                lost = [LearnerStatus(i, slug, devices=run.islands[i].chips, alive=False) for i in downs]
+                for m in plan_moves(
+                    lost,
+                    infos,
+                    "time",
+                    model_flops_per_token=spec.model.flops_per_token,
+                    devices_per_learner=chips,
+                    model_memory_gib=0.0,
+                ):
+                    if run.pools[m.to_pool].spare_slots >= 1:
+                        _relocate(run, m.learner, m.to_pool, step_time, m.reason, t)
+                        moved.add(m.learner)
+            for i in downs:
+                up_at = t + rec.D if i in moved else max(t + rec.D, until)
+                q.push(up_at, "up", i=i, inc=slots[i].incarnation)
             q.push(run.sched.next_pool_failure(slug, t), "poolfail", slug=slug)
             update_stall(t)
         elif kind == "up":
@@ -787,6 +813,51 @@ def _declared_fragment_params(declared: float, model, cfg: TrainConfig) -> list[
     return [declared * sum(sizes[n] for n in f) / total for f in frags]
 
 
+def _snapshot(learner) -> dict:
+    """A learner checkpoint in memory (state_dict clones the tensors; the optimizer state it
+    returns is live, so that part is copied)."""
+    st = learner.state_dict()
+    st["optimizer"] = copy.deepcopy(st["optimizer"])
+    return st
+
+
+def _pool_infos(run, t: float) -> tuple[list, dict[str, int]]:
+    """PoolInfo for the policy: free devices = spare learner slots x chips of a learner island."""
+    from trainer.placement import PoolInfo
+
+    pools, chips = [], {}
+    for p in run.pools.values():
+        a = p.acc
+        n = max((isl.chips for isl in run.islands if isl.pool.slug == p.slug), default=max(run.spec.chips))
+        chips[p.slug] = n
+        pools.append(
+            PoolInfo(
+                p.slug,
+                a.slug,
+                a.peak_bf16_tflops,
+                a.memory_gib,
+                a.tdp_watts,
+                a.cost_per_device_hour,
+                p.spare_slots * n,
+                p.link_gbps,
+                p.latency_ms,
+                speed_factor=p.speed_factor,
+                mfu=a.mfu,
+                state="disabled" if run.sched.pool_down_until(p.slug, t) else "active",
+            )
+        )
+    return pools, chips
+
+
+def _relocate(run, i: int, to: str, step_time: list, reason: str, t: float) -> None:
+    old, new = run.islands[i].pool, run.pools[to]
+    new.spare_slots -= 1
+    run.pools[old.slug].spare_slots += 1
+    run.islands[i] = Island(i, new, run.islands[i].chips)
+    step_time[i] = run.islands[i].step_time(run.spec.model)
+    run.moves.append({"t": t, "learner": i, "from": old.slug, "to": to, "reason": reason})
+
+
 def _rebalance(
     run, slots, t, step_time, resize_work, plan_moves, LearnerStatus, q, go_down, spec, cfg
 ) -> None:
@@ -802,29 +873,7 @@ def _rebalance(
             if slots[i].learner.work_size != h:
                 slots[i].learner.set_work_size(h)
                 run.marks.append({"t": t, "kind": "work size", "learner": i, "H": h})
-    from trainer.placement import PoolInfo
-
-    pools = []
-    for p in run.pools.values():
-        a = p.acc
-        chips = max(
-            (isl.chips for isl in run.islands if isl.pool.slug == p.slug), default=max(run.spec.chips)
-        )
-        pools.append(
-            PoolInfo(
-                p.slug,
-                a.slug,
-                a.peak_bf16_tflops,
-                a.memory_gib,
-                a.tdp_watts,
-                a.cost_per_device_hour,
-                p.spare_slots * chips,
-                p.link_gbps,
-                p.latency_ms,
-                speed_factor=p.speed_factor,
-                mfu=a.mfu,
-            )
-        )
+    pools, chips = _pool_infos(run, t)
     status = [
         LearnerStatus(
             i, run.islands[i].pool.slug, tokens_per_s=tput.get(i), devices=run.islands[i].chips, alive=True
@@ -834,10 +883,6 @@ def _rebalance(
     ]
     if not status:
         return
-    chips = {
-        p.slug: max((isl.chips for isl in run.islands if isl.pool.slug == p.slug), default=0)
-        for p in run.pools.values()
-    }
     moves = plan_moves(
         status,
         pools,
@@ -852,20 +897,14 @@ def _rebalance(
         s = slots[i]
         if not s.up:
             continue
-        old, new = run.pools[m.from_pool], run.pools[m.to_pool]
-        if new.spare_slots < 1:
+        if run.pools[m.to_pool].spare_slots < 1:
             continue
         # checkpoint now (nothing is lost), move, come back after the re-dispatch time
-        s.ckpt = copy.deepcopy(s.learner.state_dict())
+        s.ckpt = _snapshot(s.learner)
         run.ledgers[i].commit()
         s.steps_since_ckpt = 0
         go_down(i, t, "move")
-        run.ledgers[i].pending += 0.0
-        new.spare_slots -= 1
-        old.spare_slots += 1
-        run.islands[i] = Island(i, new, run.islands[i].chips)
-        step_time[i] = run.islands[i].step_time(spec.model)
-        run.moves.append({"t": t, "learner": i, "from": m.from_pool, "to": m.to_pool, "reason": m.reason})
+        _relocate(run, i, m.to_pool, step_time, m.reason, t)
         q.push(t + spec.recovery.redispatch_s, "up", i=i, inc=s.incarnation)
 
 
