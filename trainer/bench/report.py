@@ -177,33 +177,38 @@ def checks_text(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> None:
+    """Validation loss against virtual time per strategy; below it, one row of failure marks per
+    strategy (the same schedule, met at different times since each strategy runs its own course)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    rows = doc["results"]
+    fig, (ax, axf) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [4, 1.3]})
     spans = []
-    for i, r in enumerate(doc["results"]):
+    for i, r in enumerate(rows):
         curve = r.get("curve") or []
-        if not curve:
-            continue
-        ts = [c["t"] for c in curve]
-        spans.append(max(ts))
-        (line,) = ax.plot(ts, [c["val_loss"] for c in curve], marker="o", ms=3, label=r["strategy"])
+        color = f"C{i % 10}"
+        if curve:
+            ts = [c["t"] for c in curve]
+            spans.append(max(ts))
+            ax.plot(ts, [c["val_loss"] for c in curve], marker="o", ms=3, color=color, label=r["strategy"])
         fails = [m["t"] for m in r.get("marks") or [] if m.get("kind") in ("failure", "pool failure")]
-        if fails:
-            lo = min(c["val_loss"] for c in curve)
-            ax.plot(fails, [lo - 0.01 * (i + 1)] * len(fails), "|", color=line.get_color(), ms=6, alpha=0.6)
+        axf.plot(fails, [i] * len(fails), "|", color=color, ms=8)
     if doc.get("target_loss"):
         ax.axhline(doc["target_loss"], color="grey", ls="--", lw=0.8, label="target loss")
     if spans and max(spans) / max(min(spans), 1e-9) > 20:
         ax.set_xscale("log")
-    ax.set_xlabel("virtual time (s)")
-    ax.set_ylabel("validation loss (nats/byte, proxy model)")
-    ax.set_title(f"{doc['scenario']}: loss vs virtual time (| = failures)")
+    axf.set_yticks(range(len(rows)), [r["strategy"] for r in rows], fontsize=7)
+    axf.set_ylim(-0.7, len(rows) - 0.3)
+    axf.set_xlabel("virtual time (s)")
+    axf.set_title("failures", fontsize=8, loc="left")
+    ax.set_ylabel("validation loss (nats/byte, proxy)")
+    ax.set_title(f"{doc['scenario']}: loss vs virtual time")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    axf.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
