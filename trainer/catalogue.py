@@ -16,6 +16,7 @@ Sources and caveats:
 - cost_per_device_hour: indicative on-demand list prices in USD (vary by provider and
   region); only used to compare placements.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -60,10 +61,12 @@ ACCELERATORS: tuple[Accelerator, ...] = (
     Accelerator("tpu-v5p", "Google", "TPU v5p", "tpu", "v5p", 2023, 95, 459, 450, 110, 0.50, 4.20, True),
     Accelerator("tpu-v5e", "Google", "TPU v5e", "tpu", "v5e", 2023, 16, 197, 220, 50, 0.45, 1.20, True),
     Accelerator("tpu-v4", "Google", "TPU v4", "tpu", "v4", 2021, 32, 275, 192, 50, 0.50, 3.22, True),
-    Accelerator("tpu-v6e", "Google", "TPU v6e (Trillium)", "tpu", "v6e",
-                2024, 32, 918, 400, 90, 0.45, 2.70, True),
-    Accelerator("cpu", "Generic", "CPU server (2 sockets)", "cpu", "x86-64",
-                2023, 512, 4, 500, 150, 0.30, 0.60),
+    Accelerator(
+        "tpu-v6e", "Google", "TPU v6e (Trillium)", "tpu", "v6e", 2024, 32, 918, 400, 90, 0.45, 2.70, True
+    ),
+    Accelerator(
+        "cpu", "Generic", "CPU server (2 sockets)", "cpu", "x86-64", 2023, 512, 4, 500, 150, 0.30, 0.60
+    ),
 )
 
 BY_SLUG: dict[str, Accelerator] = {a.slug: a for a in ACCELERATORS}
