@@ -221,7 +221,10 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
     loop = LearnerLoop(
         engine, store(), job=job_id, index=index, incarnation=incarnation, host=host,
         compression=learner.wire_dtype or config.compression, heartbeat_interval=hb_interval(),
-        poll_interval=min(0.25, hb_interval()), checkpoint_interval=0.0,
+        # a checkpoint follows a contribution batch at most every 2 heartbeats: each one copies
+        # and writes ~5x the model (weights, AdamW moments, bases); a successor resuming from an
+        # older one recomputes a little, and the ledger refuses any overlap with what was applied
+        poll_interval=min(0.25, hb_interval()), checkpoint_interval=max(1.0, 2 * hb_interval()),
         speed_factor=learner.pool.speed_factor if learner.pool else 1.0,
     )
     try:

@@ -119,3 +119,26 @@ def test_placement_creates_learners_with_reasons(owner, pools):
     assert set(job.learners.values_list("state", flat=True)) == {Learner.State.STARTING}
     placed = Event.objects.get(job=job, kind="placed")
     assert placed.payload["reasons"] and placed.payload["assignments"]
+
+
+def test_elastic_job_grows_on_free_slots_and_shrinks_without_capacity(owner, pools):
+    spec = {**TINY, "learners": 1, "quorum": 1, "min_learners": 1, "max_learners": 2}
+    job = Job.objects.create(owner=owner, name="e", spec=spec, status=st.RUNNING, outer_steps=1)
+    first = Learner.objects.create(job=job, index=0, incarnation=1, pool=pools["alpha"],
+                                   state=Learner.State.RUNNING, last_heartbeat=timezone.now())
+    LearnerRuntime.objects.create(learner=first)
+    control.rebalance()
+    grown = Learner.objects.get(job=job, index=1)
+    assert grown.state == Learner.State.STARTING and grown.pool.slug == "beta"
+    assert Event.objects.filter(job=job, kind="joined").exists()
+    # beta's node dies and nothing else is free: the pending learner is removed (min is 1)
+    Learner.objects.filter(pk=grown.pk).update(state=Learner.State.PENDING)
+    Pool.objects.filter(slug="beta").update(state=Pool.State.DISABLED)
+    control.dispatch_pending(job)
+    assert Learner.objects.get(pk=grown.pk).state == Learner.State.REMOVED
+    assert Event.objects.filter(job=job, kind="left").exists()
+    # never below min_learners: the last one waits instead
+    Learner.objects.filter(pk=first.pk).update(state=Learner.State.PENDING)
+    Pool.objects.update(state=Pool.State.DISABLED)
+    control.dispatch_pending(job)
+    assert Learner.objects.get(pk=first.pk).state == Learner.State.PENDING

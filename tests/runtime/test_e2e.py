@@ -111,7 +111,7 @@ def bench(stack, owner):
 def test_platform_restart_pause_resume_cancel(stack, owner):
     from apps.jobs.services import cancel_job, pause_job, resume_job
 
-    job, _ = submit_job(owner, {**TINY, "steps": 200, "name": "pause me"})
+    job, _ = submit_job(owner, {**TINY, "steps": 320, "name": "pause me"})
     stack.wait_for(lambda: Learner.objects.filter(job=job, state=Learner.State.RUNNING).count() == 2,
                    timeout=60, what="two running learners")
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).outer_steps >= 2, timeout=60, what="outer steps")
@@ -128,12 +128,15 @@ def test_platform_restart_pause_resume_cancel(stack, owner):
                    what="learners running again after the restart")
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).outer_steps > commits, timeout=60,
                    what="outer steps after the restart")
+    assert Job.objects.get(pk=job.pk).status == st.RUNNING
 
     # pause: learners checkpoint and stop; resume continues from the checkpoints
     pause_job(Job.objects.get(pk=job.pk))
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).status == st.PAUSED, timeout=20, what="paused")
     tokens_at_pause = {lr.index: lr.tokens for lr in Learner.objects.filter(job=job)}
-    assert set(Learner.objects.filter(job=job).values_list("state", flat=True)) == {Learner.State.STOPPED}
+    states = set(Learner.objects.filter(job=job).values_list("state", flat=True))
+    # stopped (checkpointed); on a fast day one may have finished its budget already
+    assert Learner.State.STOPPED in states and states <= {Learner.State.STOPPED, Learner.State.DONE}
     resume_job(Job.objects.get(pk=job.pk))
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=120, what="job end")
     job.refresh_from_db()
