@@ -89,7 +89,7 @@ CHAOS_RECOVERY = RecoveryModel(
 
 def chaos(quick: bool, seed: int) -> Scenario:
     M, chips = 8, 150_000  # 1.2M TPU v5p chips in 8 learner islands
-    steps = 24 if quick else 144
+    steps = 16 if quick else 144
     pool = PoolProfile("dc", "tpu-v5p", link_gbps=3200.0, latency_ms=0.5, spare_slots=0)
     island_flops = chips * 459e12 * 0.50
     model = DeclaredModel("dense-9B", 9e9, tokens_per_step=3.0 * island_flops / (6 * 9e9))  # 3 s steps
@@ -100,7 +100,7 @@ def chaos(quick: bool, seed: int) -> Scenario:
         straggler_speed=0.6,
         straggler_duration_s=60.0,
     )
-    cfg = _train(steps, M, inner_steps=12 if quick else 24, fragments=4)
+    cfg = _train(steps, M, inner_steps=8 if quick else 24, fragments=4)
     spec = SimSpec(
         "chaos",
         [pool],
