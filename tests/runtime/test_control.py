@@ -142,3 +142,13 @@ def test_elastic_job_grows_on_free_slots_and_shrinks_without_capacity(owner, poo
     Pool.objects.update(state=Pool.State.DISABLED)
     control.dispatch_pending(job)
     assert Learner.objects.get(pk=first.pk).state == Learner.State.PENDING
+
+
+def test_synchronous_diloco_waits_for_every_learner(owner):
+    from apps.coordinator.common import train_config
+
+    job = Job.objects.create(owner=owner, name="d", spec={**TINY, "learners": 3, "quorum": 1,
+                                                          "strategy": "diloco"})
+    assert train_config(job).quorum == 3
+    job.spec = {**TINY, "learners": 3, "quorum": 1}
+    assert train_config(job).quorum == 1
