@@ -21,6 +21,8 @@ Merge rule for fragment p (see docs/engine.md for the full text):
 5. Merged pseudo-gradient: sum_m w_m Delta_m / sum_m w_m; with `rda`, for non-embedding
    tensors, direction and magnitude are averaged apart:
        Delta = normalize(sum_m w_m Delta_m / ||Delta_m||) * sum_m w_m ||Delta_m|| / sum_m w_m.
+   Each contributor record of the merge carries ||Delta_m|| (`norm`) and the cosine of Delta_m
+   to the merged Delta (`cosine`, None when either is zero): contribution health.
 6. Outer step: Nesterov SGD exactly as torch.optim.SGD(momentum=mu, nesterov=True,
    dampening=0): b <- mu b + Delta (b = Delta at the first step); theta <- theta - lr (Delta + mu b).
    With mu = 0: theta <- theta - lr Delta.
@@ -267,11 +269,12 @@ class Syncer:
         deltas = [[e.contribution.tensors[n] for n in names] for e in entries]
         merged = self._combine(names, deltas, norm_w)
         merged_norm = math.sqrt(sum(float(x) ** 2 for x in torch._foreach_norm(merged)))
+        health = [self._health(d, merged, merged_norm) for d in deltas]  # before `merged` is consumed
         self._outer_step(names, merged)  # consumes `merged` (a fresh buffer) in place
         new_version = version + 1
         self.versions[fragment] = new_version
         contributors = []
-        for e, w in zip(entries, norm_w, strict=True):
+        for e, w, (norm, cosine) in zip(entries, norm_w, health, strict=True):
             c = e.contribution
             self.applied.add(c.key)
             contributors.append(
@@ -283,6 +286,8 @@ class Syncer:
                     "tokens": c.tokens,
                     "inner_steps": c.inner_steps,
                     "weight": w,
+                    "norm": norm,
+                    "cosine": cosine,
                 }
             )
         self._prune(fragment)
@@ -299,6 +304,16 @@ class Syncer:
             merged_norm=merged_norm,
             duration_s=duration,
         )
+
+    @staticmethod
+    def _health(delta: list[torch.Tensor], merged: list[torch.Tensor], merged_norm: float) -> tuple:
+        """(L2 norm of one contribution's pseudo-gradient, its cosine to the merged one; None when
+        either is zero) over the fragment's tensors."""
+        norm = math.sqrt(sum(float(x) ** 2 for x in torch._foreach_norm(delta)))
+        if norm == 0 or merged_norm == 0:
+            return norm, None
+        dot = sum(float(torch.vdot(d.reshape(-1), m.reshape(-1))) for d, m in zip(delta, merged, strict=True))
+        return norm, max(-1.0, min(1.0, dot / (norm * merged_norm)))
 
     def _combine(
         self, names: list[str], deltas: list[list[torch.Tensor]], w: list[float]

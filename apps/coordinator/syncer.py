@@ -18,19 +18,23 @@ import contextlib
 import hashlib
 import json
 import time
+from datetime import timedelta
 
 import torch
 from django.db import close_old_connections, transaction
-from django.db.models import F
+from django.db.models import F, Sum, Value
+from django.db.models.functions import Greatest
 
 from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, MetricPoint, OuterStep
 from trainer.runtime import codec, keys
 
-from .common import corpus, event, hb_interval, log, now, publish, store, train_config
+from .common import corpus, event, hb_interval, hb_timeout, log, now, publish, store, train_config
 from .models import LearnerRuntime, SyncerLease
 
 ACTIVE_JOB = (st.RUNNING, st.PAUSING)
+DEVICES_PER_LEARNER = 1  # one learner per device slot (dispatch.pool_capacity)
+METRIC_EVERY_S = 1.0  # goodput / bytes_sent points: at most one pair per second of commits
 
 
 class LeaseLost(RuntimeError):
@@ -96,6 +100,8 @@ class SyncerRun:
         self.eval_model = None
         self.last_eval_commit = 0
         self.last_ckpt_commit = 0
+        self.accounted_at: float | None = None  # monotonic time of the last energy/cost tick
+        self.last_metrics_at = 0.0
 
     # ------------------------------------------------------------------ setup
     def build(self) -> None:
@@ -152,13 +158,34 @@ class SyncerRun:
         self.syncer.set_expected_learners(max(1, live))
         self.live = live
         self.beats = getattr(self, "beats", 0) + 1
-        if self.beats % 10 == 0:  # running totals for dashboards (final figures at the end)
-            from django.db.models import Sum
-
-            computed = LearnerRuntime.objects.filter(learner__job_id=self.job_id) \
-                .aggregate(n=Sum("tokens_computed"))["n"] or 0
-            Job.objects.filter(pk=self.job_id).update(tokens_computed=computed)
+        if self.beats % 10 == 1:  # running totals for dashboards (final figures at the end)
+            self.account()
         return status
+
+    # ------------------------------------------------------------------ accounting
+    def _computed(self) -> int:
+        return int(LearnerRuntime.objects.filter(learner__job_id=self.job_id)
+                   .aggregate(n=Sum("tokens_computed"))["n"] or 0)
+
+    def account(self) -> None:
+        """Energy and cost of the learners' busy time since the previous tick, and the live
+        tokens_computed (never below tokens_contributed: a contribution proves its tokens were
+        computed, the learners' own counts lag by a heartbeat). See docs/runtime.md."""
+        t = time.monotonic()
+        last, self.accounted_at = self.accounted_at, t
+        energy = cost = 0.0
+        if last is not None and t > last:
+            dt = t - last
+            fresh = now() - timedelta(seconds=hb_timeout())
+            for watts, price in Learner.objects.filter(
+                    job_id=self.job_id, state=Learner.State.RUNNING, pool__isnull=False,
+                    last_heartbeat__gte=fresh).values_list("pool__accelerator__tdp_watts",
+                                                           "pool__cost_per_device_hour"):
+                energy += float(watts or 0) * DEVICES_PER_LEARNER * dt
+                cost += float(price or 0) * DEVICES_PER_LEARNER * dt / 3600.0
+        Job.objects.filter(pk=self.job_id).update(
+            energy_j=F("energy_j") + energy, cost=F("cost") + cost,
+            tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed")))
 
     # ------------------------------------------------------------------ contributions
     def admit(self, ref: keys.ContribRef) -> str:
@@ -346,6 +373,7 @@ class SyncerRun:
                 zombies_refused=self.counters["zombies_refused"])
             Job.objects.filter(pk=self.job_id).update(
                 outer_steps=F("outer_steps") + 1, tokens_contributed=F("tokens_contributed") + tokens_equiv,
+                tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed") + tokens_equiv),
                 bytes_sent=F("bytes_sent") + len(blob))
             for u in used:
                 Learner.objects.filter(job_id=self.job_id, index=u.learner).update(
@@ -363,7 +391,10 @@ class SyncerRun:
         self.sync_seconds += merge_s + (time.perf_counter() - t0)
         self.commits_here += 1
         publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": self.commits})
-        if self.commits - self.last_eval_commit >= int(self.spec.get("eval_interval", 5)):
+        evaluate = self.commits - self.last_eval_commit >= int(self.spec.get("eval_interval", 5))
+        if evaluate or time.monotonic() - self.last_metrics_at >= METRIC_EVERY_S:
+            self.job_metrics()
+        if evaluate:
             self.last_eval_commit = self.commits
             self._metric("val_loss", self.evaluate(), self._tokens())
         if self.commits - self.last_ckpt_commit >= int(self.spec.get("checkpoint_interval", 10)):
@@ -386,6 +417,25 @@ class SyncerRun:
         data = corpus(self.config.dataset, self.config.cache_dir)
         return float(evaluate(self.eval_model, data, self.config.eval_batch_size or self.config.batch_size,
                               self.config.seq_len, batches=self.config.eval_batches, seed=0))
+
+    def job_metrics(self) -> None:
+        """`goodput` (tokens contributed / computed, at most 1) and `bytes_sent` (cumulative)
+        points at the job's contributed tokens, plus a live job message for dashboards."""
+        self.last_metrics_at = time.monotonic()
+        row = Job.objects.filter(pk=self.job_id).values(
+            "tokens_computed", "tokens_contributed", "bytes_sent", "energy_j", "cost").first()
+        if row is None:
+            return
+        step = int(row["tokens_contributed"])
+        points = [("bytes_sent", float(row["bytes_sent"]))]
+        if row["tokens_computed"] > 0:
+            points.insert(0, ("goodput", goodput(row["tokens_contributed"], row["tokens_computed"])))
+        MetricPoint.objects.bulk_create(
+            [MetricPoint(job_id=self.job_id, name=n, value=v, step=step) for n, v in points])
+        t = time.time()
+        publish(self.job_id, {"type": "metrics", "points": [
+            {"learner": None, "name": n, "step": step, "value": v, "time": t} for n, v in points]})
+        publish(self.job_id, {"type": "job", **row})
 
     def _metric(self, name: str, value: float, step: int) -> None:
         MetricPoint.objects.create(job_id=self.job_id, name=name, value=value, step=step)
@@ -475,11 +525,12 @@ class SyncerRun:
         loss = self.evaluate()
         self._metric("val_loss", loss, self._tokens())
         self.export(Checkpoint.Kind.FINAL)
-        computed = sum(LearnerRuntime.objects.filter(learner__job_id=self.job_id)
-                       .values_list("tokens_computed", flat=True))
-        lost = max(0, computed - self._tokens())
+        self.account()  # final energy / cost
+        contributed = Job.objects.filter(pk=self.job_id).values_list("tokens_contributed", flat=True).first()
+        computed = max(self._computed(), int(contributed or 0))
         Job.objects.filter(pk=self.job_id).update(final_val_loss=loss, tokens_computed=computed,
-                                                  tokens_lost=lost)
+                                                  tokens_lost=max(0, computed - int(contributed or 0)))
+        self.job_metrics()
         SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(finished=True)
         event(self.job, Event.Kind.INFO, f"syncer finished: {self.commits} outer steps",
               {"commits": self.commits, "commits_this_epoch": self.commits_here,
@@ -492,6 +543,13 @@ class SyncerRun:
         publish(self.job_id, {"type": "job", "status": job.status, "outer_steps": self.commits})
         Incident.objects.filter(job_id=self.job_id, healed_at__isnull=True, kind="syncer_lost") \
             .update(healed_at=now())
+
+
+def goodput(contributed: int, computed: int) -> float:
+    """Share of the computed tokens that reached the global model, in [0, 1]."""
+    if computed <= 0:
+        return 0.0
+    return max(0.0, min(1.0, contributed / computed))
 
 
 def _jsonable(v):
