@@ -120,3 +120,70 @@ def test_refused_contribution_does_not_block_the_learner(corpus):
         loop.learner.step()
     assert loop.push_due() == 1  # sending again
     loop.writer.close()
+
+
+def _send_and_checkpoint(store, corpus):
+    """Incarnation 1 trains one cycle, sends fragment 0 and checkpoints right behind the send."""
+    loop = loop_for(store, corpus, 1, Host(), steps=10_000)
+    loop.resume()
+    for _ in range(4):
+        loop.learner.step()
+    assert loop.push_due() == 1
+    loop.checkpoint()
+    loop.writer.flush(5)
+    (key,) = store.list(keys.contrib_prefix("j"))
+    return loop, key
+
+
+def _merge_and_publish(store, corpus, key):
+    c = cfg(steps=10_000)
+    syncer = Syncer(c, Learner(c, 0, corpus=corpus, job="j").model, ManualClock(), job="j")
+    assert syncer.submit(Contribution.from_bytes(store.get(key))).accepted
+    merged = syncer.merge(0, force=True)
+    store.put(keys.global_key("j", 0, merged.version, 1), merged.global_fragment.to_bytes())
+    store.put(keys.head_key("j"), keys.head_blob({0: merged.version}, {0: 1}))
+    store.delete(key)  # as the runtime syncer does after its commit
+    return merged.global_fragment.tensors
+
+
+def test_successor_does_not_reapply_progress_the_syncer_already_merged(corpus):
+    """The checkpoint's send was merged before the successor starts: the successor's weights are
+    the merged global (no progress after the send), not the global plus that progress again."""
+    store = MemoryStore()
+    first, key = _send_and_checkpoint(store, corpus)
+    merged = _merge_and_publish(store, corpus, key)
+    second = loop_for(store, corpus, 2, Host(), steps=10_000)
+    second.resume()
+    assert second.learner.incarnation == 2
+    assert second.learner.adopted_versions[0] == 1 and not second.learner.outstanding(0)
+    for n, t in merged.items():
+        torch.testing.assert_close(second.learner.params[n].detach().float(), t, rtol=0, atol=1e-5)
+    # and its next contribution carries only its own new progress, under its own incarnation
+    for _ in range(4):
+        second.learner.step()
+    assert second.push_due() == 1
+    second.writer.flush(5)
+    (k2,) = store.list(keys.contrib_prefix("j"))
+    c2 = Contribution.from_bytes(store.get(k2))
+    assert c2.incarnation == 2 and c2.base_version == 1 and c2.inner_steps == 4
+
+
+def test_successor_waits_for_a_pending_send_and_resends_a_refused_one(corpus):
+    store = MemoryStore()
+    first, key = _send_and_checkpoint(store, corpus)
+    # still pending at the syncer: the successor waits for its answer, watching the blob
+    second = loop_for(store, corpus, 2, Host(), steps=10_000)
+    second.resume()
+    assert second.learner.outstanding(0) and second.outstanding[0][0] == key
+    merged = _merge_and_publish(store, corpus, key)
+    assert second.poll_globals() == 1 and not second.learner.outstanding(0)
+    for n, t in merged.items():
+        torch.testing.assert_close(second.learner.params[n].detach().float(), t, rtol=0, atol=1e-5)
+    # refused (blob gone, no newer version): that progress is sent again by the next successor
+    store2 = MemoryStore()
+    _first, key2 = _send_and_checkpoint(store2, corpus)
+    store2.delete(key2)
+    third = loop_for(store2, corpus, 2, Host(), steps=10_000)
+    third.resume()
+    assert not third.learner.outstanding(0)
+    assert third.learner.flush()[0].inner_steps == 4  # the refused cycle goes out whole

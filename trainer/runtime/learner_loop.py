@@ -120,16 +120,53 @@ class LearnerLoop:
         if best is not None:
             try:
                 saved = codec.unpack(self.store.get(best[1]))
-                self.learner.load_state_dict(saved["state"])
+                self._load_as_writer(saved["state"])
                 self.frag_pos = {int(k): int(v) for k, v in saved["frag_pos"].items()}
                 point = {"tokens": int(saved["tokens"]), "frag_pos": dict(self.frag_pos),
                          "from_incarnation": best[0]}
+                self._track_sends(best[0])
             except Exception:
                 log.exception("checkpoint %s unreadable; starting from the global weights", best[1])
                 self.frag_pos = {}
         self.host.resumed(point)
         self.poll_globals(force=True)
+        if best is not None:
+            for p in range(len(getattr(self.learner, "fragments", []))):
+                if self.learner.outstanding(p) and p not in self.outstanding:
+                    # its blob is gone and no newer version came: the syncer refused it, so that
+                    # progress is still only local and goes out with the next contribution
+                    self.learner.refused(p)
         return point
+
+    def _load_as_writer(self, state: dict) -> None:
+        """Load a checkpoint as the incarnation that wrote it, then take this one.
+
+        The checkpoint remembers the sends queued before it; the syncer accepts them (up to the
+        resume point) and usually has merged them already. Loaded as a new incarnation the engine
+        would forget them and count that progress as unsent: adopting the global that merged it
+        would mix it in a second time and the next contribution would carry it again. Loaded as
+        the writer, adopting mixes in only the progress made after the sends."""
+        mine = self.learner.incarnation
+        self.learner.incarnation = int(state.get("incarnation", mine))
+        try:
+            self.learner.load_state_dict(state)
+        finally:
+            self.learner.incarnation = mine
+        for c in self.learner.due_contributions():  # built but never queued: still local progress
+            self.learner.refused(c.fragment)
+
+    def _track_sends(self, incarnation: int) -> None:
+        """Watch the checkpoint's sends that are still in the store like this incarnation's own
+        (a refused one is re-adopted away after `stall_after`, see `_unblock_refused`)."""
+        waiting = {p for p in range(len(getattr(self.learner, "fragments", [])))
+                   if self.learner.outstanding(p)}
+        if not waiting:
+            return
+        for key in self.store.list(keys.contrib_prefix(self.job)):
+            ref = keys.parse_contrib_key(key)
+            if ref is not None and ref.learner == self.index and ref.incarnation == incarnation \
+                    and ref.fragment in waiting and ref.end == self.frag_pos.get(ref.fragment):
+                self.outstanding[ref.fragment] = (key, self.clock(), ref.base_version)
 
     # ------------------------------------------------------------------ globals
     def poll_globals(self, force: bool = False) -> int:
