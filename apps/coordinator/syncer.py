@@ -100,7 +100,7 @@ class SyncerRun:
         self.eval_model = None
         self.last_eval_commit = 0
         self.last_ckpt_commit = 0
-        self.accounted_at: float | None = None  # monotonic time of the last energy/cost tick
+        self.accounted_at = None  # wall time of the last energy/cost tick
         self.last_metrics_at = 0.0
 
     # ------------------------------------------------------------------ setup
@@ -170,19 +170,26 @@ class SyncerRun:
     def account(self) -> None:
         """Energy and cost of the learners' busy time since the previous tick, and the live
         tokens_computed (never below tokens_contributed: a contribution proves its tokens were
-        computed, the learners' own counts lag by a heartbeat). See docs/runtime.md."""
-        t = time.monotonic()
+        computed, the learners' own counts lag by a heartbeat). See docs/runtime.md.
+
+        A learner is busy from its start (or the previous tick) until now while it is running
+        and stamping, else until its last heartbeat (its final stamp when it finished or handed
+        off, its last sign of life when it died)."""
+        t = now()
         last, self.accounted_at = self.accounted_at, t
         energy = cost = 0.0
         if last is not None and t > last:
-            dt = t - last
-            fresh = now() - timedelta(seconds=hb_timeout())
-            for watts, price in Learner.objects.filter(
-                    job_id=self.job_id, state=Learner.State.RUNNING, pool__isnull=False,
-                    last_heartbeat__gte=fresh).values_list("pool__accelerator__tdp_watts",
-                                                           "pool__cost_per_device_hour"):
-                energy += float(watts or 0) * DEVICES_PER_LEARNER * dt
-                cost += float(price or 0) * DEVICES_PER_LEARNER * dt / 3600.0
+            fresh = t - timedelta(seconds=hb_timeout())
+            for state, started, beat, watts, price in Learner.objects.filter(
+                    job_id=self.job_id, pool__isnull=False, last_heartbeat__gt=last).values_list(
+                    "state", "started_at", "last_heartbeat", "pool__accelerator__tdp_watts",
+                    "pool__cost_per_device_hour"):
+                begin = max(last, started) if started else last
+                end = t if state == Learner.State.RUNNING and beat >= fresh else min(t, beat)
+                busy = (end - begin).total_seconds()
+                if busy > 0:
+                    energy += float(watts or 0) * DEVICES_PER_LEARNER * busy
+                    cost += float(price or 0) * DEVICES_PER_LEARNER * busy / 3600.0
         Job.objects.filter(pk=self.job_id).update(
             energy_j=F("energy_j") + energy, cost=F("cost") + cost,
             tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed")))

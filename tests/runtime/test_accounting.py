@@ -1,7 +1,6 @@
 """Runtime accounting without processes: contribution health, energy / cost, live tokens, goodput."""
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from decimal import Decimal
 
@@ -81,15 +80,17 @@ def job_on_pools(owner):
                               link_gbps=10, cost_per_device_hour=Decimal("0.1"))
     job = Job.objects.create(owner=owner, name="acct", spec={**TINY, "learners": 4}, status=st.RUNNING)
     t = timezone.now()
-    specs = [  # (pool, state, last heartbeat, tokens computed)
-        (gpu, Learner.State.RUNNING, t, 1000),
-        (cpu, Learner.State.RUNNING, t, 500),
-        (gpu, Learner.State.RUNNING, t - timedelta(seconds=600), 300),  # silent: dead, not busy
-        (gpu, Learner.State.DONE, t, 200),
+    h = timedelta(hours=1)
+    specs = [  # (pool, state, started, last heartbeat, tokens computed)
+        (gpu, Learner.State.RUNNING, t - 2 * h, t, 1000),  # busy the whole hour
+        (cpu, Learner.State.RUNNING, t - h / 3, t, 500),  # started 20 min ago
+        (gpu, Learner.State.RUNNING, t - 2 * h, t - h / 6, 300),  # silent for 10 min: dead since then
+        (gpu, Learner.State.DONE, t - 2 * h, t - h / 2, 200),  # finished half an hour ago
+        (gpu, Learner.State.DONE, t - 3 * h, t - 2 * h, 0),  # finished before the hour
     ]
-    for i, (pool, state, hb, computed) in enumerate(specs):
+    for i, (pool, state, started, hb, computed) in enumerate(specs):
         lr = Learner.objects.create(job=job, index=i, incarnation=1, pool=pool, state=state,
-                                    last_heartbeat=hb)
+                                    started_at=started, last_heartbeat=hb)
         LearnerRuntime.objects.create(learner=lr, tokens_computed=computed)
     return job
 
@@ -102,12 +103,12 @@ def test_energy_and_cost_come_from_busy_learners_on_their_pools(job_on_pools):
     job.refresh_from_db()
     assert job.energy_j == 0 and job.cost == 0
     assert job.tokens_computed == 2000  # live, all learners' tokens
-    run.accounted_at = time.monotonic() - 3600.0  # one hour of busy time since the last tick
+    run.accounted_at = timezone.now() - timedelta(hours=1)  # the previous tick, an hour ago
     run.account()
     job.refresh_from_db()
-    assert job.energy_j == pytest.approx((700 + 100) * 3600, rel=1e-3)  # the silent and the done learner: no
-    assert job.cost == pytest.approx(2.5 + 0.1, rel=1e-3)
-    assert job.energy_j / 3.6e6 == pytest.approx(0.8, rel=1e-3)  # kWh, as the dashboard shows it
+    gpu_hours = 1 + 5 / 6 + 1 / 2  # running, dead after 50 min, done after 30 min
+    assert job.energy_j == pytest.approx(700 * 3600 * gpu_hours + 100 * 1200, rel=1e-3)
+    assert job.cost == pytest.approx(2.5 * gpu_hours + 0.1 / 3, rel=1e-3)
 
 
 @pytest.mark.django_db

@@ -48,7 +48,14 @@ def test_job_completes_and_loss_falls(stack, owner):
     assert final.size_bytes > 0 and len(final.sha256) == 64
     assert set(Learner.objects.filter(job=job).values_list("state", flat=True)) == {Learner.State.DONE}
     assert duplicates(job) == 0
-    assert job.tokens_contributed > 0
+    assert 0 < job.tokens_contributed <= job.tokens_computed
+    assert job.energy_j > 0  # the pools' TDP over the learners' busy time
+    steps = list(OuterStep.objects.filter(job=job).values_list("contributors", flat=True))
+    assert all(isinstance(c["norm"], float) and c["norm"] > 0 for cs in steps for c in cs)
+    assert all(c["cosine"] is None or -1 <= c["cosine"] <= 1 for cs in steps for c in cs)
+    goodput = list(MetricPoint.objects.filter(job=job, name="goodput").values_list("value", flat=True))
+    assert goodput and all(0 < v <= 1 for v in goodput)
+    assert MetricPoint.objects.filter(job=job, name="bytes_sent").exists()
 
     bench(stack, owner)
 
