@@ -177,6 +177,10 @@ class SyncerRun:
         off, its last sign of life when it died)."""
         t = now()
         last, self.accounted_at = self.accounted_at, t
+        if last is None:  # a job with nothing accounted yet is accounted from its start
+            row = Job.objects.filter(pk=self.job_id).values("energy_j", "cost", "started_at").first()
+            if row and row["energy_j"] == 0 and row["cost"] == 0 and row["started_at"]:
+                last = row["started_at"]
         energy = cost = 0.0
         if last is not None and t > last:
             fresh = t - timedelta(seconds=hb_timeout())

@@ -99,7 +99,7 @@ def job_on_pools(owner):
 def test_energy_and_cost_come_from_busy_learners_on_their_pools(job_on_pools):
     job = job_on_pools
     run = SyncerRun(job.pk, epoch=1, worker="w")
-    run.account()  # first tick: reference point only
+    run.account()  # first tick of a job not started yet: reference point only
     job.refresh_from_db()
     assert job.energy_j == 0 and job.cost == 0
     assert job.tokens_computed == 2000  # live, all learners' tokens
@@ -137,3 +137,18 @@ def test_tokens_computed_never_below_contributed_and_goodput_series(job_on_pools
     assert set(series) == {"goodput", "bytes_sent"}
     assert all(0 < v <= 1 for _x, _t, v in series["goodput"])
     assert 12345.0 <= series["bytes_sent"][-1][2] <= 20000.0  # both points share one bucket: averaged
+
+
+@pytest.mark.django_db
+def test_first_tick_of_a_fresh_job_counts_from_the_job_start(job_on_pools):
+    job = job_on_pools
+    Job.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(minutes=30))
+    SyncerRun(job.pk, epoch=1, worker="w").account()
+    job.refresh_from_db()
+    # 30 min: the busy gpu learner, the cpu one (started 20 min ago), the silent one (dead 10
+    # min ago) and the one that finished 30 min ago (nothing)
+    assert job.energy_j == pytest.approx(700 * (1800 + 1200) + 100 * 1200, rel=1e-3)
+    before = job.energy_j
+    SyncerRun(job.pk, epoch=2, worker="w").account()  # a restarted syncer: no double count
+    job.refresh_from_db()
+    assert job.energy_j == before
