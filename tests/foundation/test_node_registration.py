@@ -100,7 +100,7 @@ def cpu_pool(catalogue):
 
 
 @pytest.mark.e2e
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_worker_registers_heartbeats_and_goes_offline(tmp_path, cpu_pool):
     """Two real workers at once: one with the pool's token registers; one with another
     pool's token is refused."""

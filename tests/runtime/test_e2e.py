@@ -118,7 +118,7 @@ def bench(stack, owner):
 def test_platform_restart_pause_resume_cancel(stack, owner):
     from apps.jobs.services import cancel_job, pause_job, resume_job
 
-    job, _ = submit_job(owner, {**TINY, "steps": 320, "name": "pause me"})
+    job, _ = submit_job(owner, {**TINY, "steps": 800, "name": "pause me"})
     stack.wait_for(lambda: Learner.objects.filter(job=job, state=Learner.State.RUNNING).count() == 2,
                    timeout=60, what="two running learners")
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).outer_steps >= 2, timeout=60, what="outer steps")
