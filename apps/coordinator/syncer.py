@@ -102,6 +102,7 @@ class SyncerRun:
         self.last_ckpt_commit = 0
         self.accounted_at = None  # wall time of the last energy/cost tick
         self.last_metrics_at = 0.0
+        self.last_merged_norm: float | None = None
 
     # ------------------------------------------------------------------ setup
     def build(self) -> None:
@@ -402,6 +403,7 @@ class SyncerRun:
         self.sync_seconds += merge_s + (time.perf_counter() - t0)
         self.commits_here += 1
         publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": self.commits})
+        self.last_merged_norm = float(r.merged_norm)
         evaluate = self.commits - self.last_eval_commit >= int(self.spec.get("eval_interval", 5))
         if evaluate or time.monotonic() - self.last_metrics_at >= METRIC_EVERY_S:
             self.job_metrics()
@@ -430,8 +432,9 @@ class SyncerRun:
                               self.config.seq_len, batches=self.config.eval_batches, seed=0))
 
     def job_metrics(self) -> None:
-        """`goodput` (tokens contributed / computed, at most 1) and `bytes_sent` (cumulative)
-        points at the job's contributed tokens, plus a live job message for dashboards."""
+        """`goodput` (tokens contributed / computed, at most 1), `bytes_sent` (cumulative) and
+        `outer_step_norm` (the latest merged pseudo-gradient's norm) points at the job's
+        contributed tokens, plus a live job message for dashboards."""
         self.last_metrics_at = time.monotonic()
         row = Job.objects.filter(pk=self.job_id).values(
             "tokens_computed", "tokens_contributed", "bytes_sent", "energy_j", "cost").first()
@@ -441,6 +444,8 @@ class SyncerRun:
         points = [("bytes_sent", float(row["bytes_sent"]))]
         if row["tokens_computed"] > 0:
             points.insert(0, ("goodput", goodput(row["tokens_contributed"], row["tokens_computed"])))
+        if self.last_merged_norm is not None:
+            points.append(("outer_step_norm", self.last_merged_norm))
         MetricPoint.objects.bulk_create(
             [MetricPoint(job_id=self.job_id, name=n, value=v, step=step) for n, v in points])
         t = time.time()

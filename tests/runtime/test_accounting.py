@@ -137,6 +137,11 @@ def test_tokens_computed_never_below_contributed_and_goodput_series(job_on_pools
     assert set(series) == {"goodput", "bytes_sent"}
     assert all(0 < v <= 1 for _x, _t, v in series["goodput"])
     assert 12345.0 <= series["bytes_sent"][-1][2] <= 20000.0  # both points share one bucket: averaged
+    assert not mp.filter(name="outer_step_norm").exists()  # no merge yet: no norm point
+
+    run.last_merged_norm = 0.25  # what a commit records
+    run.job_metrics()
+    assert list(mp.filter(name="outer_step_norm").values_list("step", "value")) == [(2600, 0.25)]
 
 
 @pytest.mark.django_db
