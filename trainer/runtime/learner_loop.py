@@ -75,7 +75,7 @@ class LoopResult:
 class LearnerLoop:
     def __init__(self, learner, store, *, job, index: int, incarnation: int, host: Host,
                  compression: str = "none", heartbeat_interval: float = 1.0, poll_interval: float = 0.25,
-                 checkpoint_interval: float = 2.0, speed_factor: float = 1.0, final_wait: float = 5.0,
+                 checkpoint_interval: float = 2.0, speed_factor: float = 1.0, final_wait: float = 30.0,
                  decode_global: Callable[[bytes], Any] | None = None, clock=time.monotonic):
         self.learner = learner
         self.store = store
@@ -252,7 +252,9 @@ class LearnerLoop:
         """Contribute the last progress of every fragment.
 
         A fragment whose previous contribution is still unanswered cannot send again until a
-        newer global version is adopted, so wait (bounded) for those answers first.
+        newer global version is adopted, so wait (bounded) for those answers first. The bound
+        (`final_wait`, 30 s) outlasts a syncer restart, so a learner that reaches its budget
+        while the coordinator is down still contributes its last progress instead of losing it.
         """
         self.push_due()
         wait = self.final_wait if wait is None else wait
