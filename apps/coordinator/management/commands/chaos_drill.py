@@ -12,7 +12,7 @@ class Command(BaseCommand):
             "and draining a pool; print a JSON report (recovery times, downtime, duplicates, loss).")
 
     def add_arguments(self, parser):
-        parser.add_argument("--quick", action="store_true", help="small job (about two minutes)")
+        parser.add_argument("--quick", action="store_true", help="small job (one to three minutes)")
         parser.add_argument("--json", dest="json_path", help="also write the report to this file")
         parser.add_argument("--tmp", help="folder for logs, blobs and the private Redis (default: a new one)")
 
