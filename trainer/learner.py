@@ -282,7 +282,7 @@ class Learner:
             "cycle_step": self.cycle_step,
             "work_size": self.work_size,
             "next_work_size": self._next_work_size,
-            "due": [dict(c.header(), tensors=c.tensors, checksum=c.checksum) for c in self._due],
+            "due": [c.to_state() for c in self._due],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -313,20 +313,7 @@ class Learner:
                 for p, d in state["sent"].items()
             }
             self._sent_counts = {int(p): [int(a), int(b)] for p, (a, b) in state["sent_counts"].items()}
-            self._due = [
-                Contribution(
-                    job=d["job"],
-                    learner=d["learner"],
-                    incarnation=d["incarnation"],
-                    fragment=d["fragment"],
-                    base_version=d["base_version"],
-                    tokens=d["tokens"],
-                    inner_steps=d["inner_steps"],
-                    tensors=d["tensors"],
-                    checksum=d["checksum"],
-                )
-                for d in state["due"]
-            ]
+            self._due = [Contribution.from_state(d) for d in state["due"]]
         else:
             # A new incarnation: what the old one sent is fenced out by the syncer, so nothing is
             # outstanding; the progress since the adopted base goes out with the next contribution.

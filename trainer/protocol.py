@@ -73,6 +73,16 @@ class Contribution:
                 "incarnation": self.incarnation, "fragment": self.fragment,
                 "base_version": self.base_version, "tokens": self.tokens, "inner_steps": self.inner_steps}
 
+    def to_state(self, **extra) -> dict:
+        """In-process form for learner / syncer `state_dict()` (the checkpoint codec packs it)."""
+        return dict(self.header(), tensors=self.tensors, checksum=self.checksum, **extra)
+
+    @classmethod
+    def from_state(cls, d: dict) -> Contribution:
+        return cls(job=d["job"], learner=d["learner"], incarnation=d["incarnation"],
+                   fragment=d["fragment"], base_version=d["base_version"], tokens=d["tokens"],
+                   inner_steps=d["inner_steps"], tensors=d["tensors"], checksum=d["checksum"])
+
     def to_bytes(self, compression: str = "none") -> bytes:
         return encode(self.tensors, compression, meta=self.header())
 

@@ -403,12 +403,7 @@ class Syncer:
             "ema": [self.xi_step.value, self.xi_quorum.value, self.xi_sync.value],
             "expected_learners": self.expected_learners,
             "pending": [
-                dict(
-                    e.contribution.header(),
-                    tensors=e.contribution.tensors,
-                    checksum=e.contribution.checksum,
-                    arrived=e.arrived,
-                )
+                e.contribution.to_state(arrived=e.arrived)
                 for rnd in self._rounds.values()
                 for e in rnd.pending.values()
             ],
@@ -431,15 +426,4 @@ class Syncer:
         self._rounds = {p: _Round() for p in range(len(self.fragments))}
         self._last_arrival = {}
         for d in state["pending"]:
-            c = Contribution(
-                job=d["job"],
-                learner=d["learner"],
-                incarnation=d["incarnation"],
-                fragment=d["fragment"],
-                base_version=d["base_version"],
-                tokens=d["tokens"],
-                inner_steps=d["inner_steps"],
-                tensors=d["tensors"],
-                checksum=d["checksum"],
-            )
-            self.submit(c, now=d["arrived"])
+            self.submit(Contribution.from_state(d), now=d["arrived"])
