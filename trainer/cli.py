@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner")
     t.add_argument("--max-tokens", type=int, default=None)
     t.add_argument("--compression", choices=COMPRESSIONS, default=d.compression)
+    t.add_argument(
+        "--global-compression",
+        choices=COMPRESSIONS,
+        default=d.global_compression,
+        help="global updates sent down (none: whole fp32 fragments)",
+    )
     t.add_argument("--max-staleness", type=int, default=d.max_staleness)
     t.add_argument("--grace-cap", type=float, default=d.grace_cap_s, help="seconds")
     t.add_argument("--fragment-mode", choices=FRAGMENT_MODES, default=d.fragment_mode)
@@ -85,6 +91,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         steps=a.steps,
         max_tokens=a.max_tokens,
         compression=a.compression,
+        global_compression=a.global_compression,
         max_staleness=a.max_staleness,
         grace_cap_s=a.grace_cap,
         fragment_mode=a.fragment_mode,

@@ -32,6 +32,7 @@ class TrainConfig:
     seq_len: int = 64
     steps: int = 400                  # inner steps per learner (budget)
     compression: str = "none"         # wire format of contributions
+    global_compression: str = "none"  # wire format of global updates sent down (none: full fp32 fragments)
     max_staleness: int = 4            # versions behind before a contribution is dropped
     grace_cap_s: float = 2.0          # cap of the adaptive grace window
     seed: int = 0
@@ -84,6 +85,8 @@ class TrainConfig:
         need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         need(self.grad_clip > 0, "grad_clip", "must be > 0")
         need(self.compression in COMPRESSIONS, "compression", f"must be one of {', '.join(COMPRESSIONS)}")
+        need(self.global_compression in COMPRESSIONS, "global_compression",
+             f"must be one of {', '.join(COMPRESSIONS)}")
         need(self.fragment_mode in FRAGMENT_MODES, "fragment_mode", "must be 'strided' or 'balanced'")
         need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         need(self.grace_cap_s >= 0, "grace_cap_s", "must be >= 0")

@@ -12,6 +12,9 @@ the next one for p is skipped: the progress stays in the local weights and goes 
 next contribution. So one (learner, incarnation, fragment, base_version) key names exactly
 one payload.
 
+A global fragment arrives whole (fp32) or as an update from the version the learner holds
+(`GlobalFragment.is_update`, compressed): g = base_p + update.
+
 Adoption of a newer global fragment g (Streaming DiLoCo overlap):
     local_p <- g + mix_alpha * (local_p - ref_p)
 where ref_p is the local weights at the time the outstanding contribution was sent (the
@@ -234,10 +237,17 @@ class Learner:
         names = self.fragments[p]
         if set(g.tensors) != set(names):
             raise ValueError(f"global fragment {p} does not hold this fragment's tensors")
+        if g.is_update and g.base_version != self.adopted_versions[p]:
+            raise ValueError(
+                f"update of fragment {p} from version {g.base_version} does not apply to the adopted "
+                f"version {self.adopted_versions[p]}; fetch the full fragment"
+            )
         alpha = self.config.mix_alpha
         sent = self._sent[p]
         for n in names:
             new = g.tensors[n].to(self.device, dtype=torch.float32)
+            if g.is_update:
+                new = self.base[p][n] + new  # base holds the published weights of base_version
             param = self.params[n]
             if sent is None:
                 ref = self.base[p][n]

@@ -104,15 +104,27 @@ class Contribution:
 
 @dataclass
 class GlobalFragment:
-    """The syncer's weights of one fragment at one version."""
+    """The syncer's weights of one fragment at one version.
+
+    With `base_version` set it is an *update*: the tensors are the change from the published
+    weights at `base_version` to those at `version`, so a learner holding exactly that version
+    adds them (it travels compressed; see `Syncer.global_update`)."""
 
     job: str
     fragment: int
     version: int
     tensors: dict[str, torch.Tensor]
+    base_version: int | None = None
+
+    @property
+    def is_update(self) -> bool:
+        return self.base_version is not None
 
     def header(self) -> dict:
-        return {"kind": "global", "job": self.job, "fragment": self.fragment, "version": self.version}
+        h = {"kind": "global", "job": self.job, "fragment": self.fragment, "version": self.version}
+        if self.base_version is not None:
+            h["base_version"] = self.base_version
+        return h
 
     def to_bytes(self, compression: str = "none") -> bytes:
         return encode(self.tensors, compression, meta=self.header())
@@ -124,5 +136,11 @@ class GlobalFragment:
         if not isinstance(meta, dict) or meta.get("kind") != "global":
             raise InvalidPayload("not a global fragment")
         _check_expected(tensors, expected)
-        return cls(job=_str_field(meta, "job"), fragment=_int_field(meta, "fragment"),
-                   version=_int_field(meta, "version"), tensors={k: v.float() for k, v in tensors.items()})
+        version = _int_field(meta, "version")
+        base_version = None
+        if "base_version" in meta:
+            base_version = _int_field(meta, "base_version")
+            if base_version >= version:
+                raise InvalidPayload("header field 'base_version' must be below 'version'")
+        return cls(job=_str_field(meta, "job"), fragment=_int_field(meta, "fragment"), version=version,
+                   tensors={k: v.float() for k, v in tensors.items()}, base_version=base_version)

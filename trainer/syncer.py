@@ -27,6 +27,14 @@ Merge rule for fragment p (see docs/engine.md for the full text):
    dampening=0): b <- mu b + Delta (b = Delta at the first step); theta <- theta - lr (Delta + mu b).
    With mu = 0: theta <- theta - lr Delta.
 
+7. Publication: learners hold `published`, which is `params` itself when
+   `global_compression` is none (they download full fp32 fragments). Otherwise each merge
+   encodes the update `params - published` with that compression, adds its decoded form to
+   `published` and keeps the bytes (`global_update(p)`): a learner holding version v - 1 adds
+   them and holds the same bits; the rounding residual stays in `params - published` and goes
+   out with the next update (error feedback). Learners further behind download the full
+   published fragment.
+
 Idempotency: every applied key (learner, incarnation, fragment, base_version) is remembered
 (keys that the staleness bound would refuse anyway are pruned), and `state_dict()` carries
 them, so a syncer restored from a checkpoint never applies a contribution twice. Fencing: a
@@ -44,7 +52,7 @@ import torch
 from torch import nn
 
 from trainer.clock import Clock
-from trainer.compression import tensor_checksum
+from trainer.compression import decode, tensor_checksum
 from trainer.config import TrainConfig
 from trainer.fragments import make_fragments
 from trainer.protocol import Contribution, GlobalFragment
@@ -114,6 +122,11 @@ class Syncer:
         self.fragments = make_fragments(named, config.fragments, config.fragment_mode)
         self.fragment_of = {n: p for p, names in enumerate(self.fragments) for n in names}
         self.params: dict[str, torch.Tensor] = {n: t.detach().float().cpu().clone() for n, t in named.items()}
+        # What learners hold: the params themselves, or (global_compression != none) the sum of the
+        # compressed updates sent so far; the rounding residual stays in params - published and
+        # goes out with the next update (error feedback).
+        self.published: dict[str, torch.Tensor] = self._fresh_published()
+        self.updates: dict[int, bytes] = {}  # fragment -> encoded update to its current version
         self.momentum: dict[str, torch.Tensor] = {}
         self.versions: dict[int, int] = dict.fromkeys(range(len(self.fragments)), 0)
         self.applied: set[tuple] = set()
@@ -273,6 +286,7 @@ class Syncer:
         self._outer_step(names, merged)  # consumes `merged` (a fresh buffer) in place
         new_version = version + 1
         self.versions[fragment] = new_version
+        self._publish(fragment, version, new_version)
         contributors = []
         for e, w, (norm, cosine) in zip(entries, norm_w, health, strict=True):
             c = e.contribution
@@ -369,14 +383,39 @@ class Syncer:
         floor = self.versions[fragment] - self.config.max_staleness
         self.applied = {k for k in self.applied if k[2] != fragment or k[3] >= floor}
 
+    def _fresh_published(self) -> dict[str, torch.Tensor]:
+        if self.config.global_compression == "none":
+            return self.params  # the same tensors: what learners hold is exactly the global
+        return {n: t.clone() for n, t in self.params.items()}
+
+    def _publish(self, fragment: int, old_version: int, new_version: int) -> None:
+        """Encode the update old -> new version of a fragment and apply its decoded form to the
+        published weights, so that learners adding the same bytes hold the same bits."""
+        method = self.config.global_compression
+        if method == "none":
+            return
+        names = self.fragments[fragment]
+        change = {n: self.params[n] - self.published[n] for n in names}
+        update = GlobalFragment(self.job, fragment, new_version, change, base_version=old_version)
+        blob = update.to_bytes(method)
+        for n, t in decode(blob).items():
+            self.published[n].add_(t.float())
+        self.updates[fragment] = blob
+
     # -- views ------------------------------------------------------------------------------
     def global_fragment(self, p: int) -> GlobalFragment:
+        """The published weights of fragment p at its current version (full, fp32)."""
         return GlobalFragment(
             job=self.job,
             fragment=p,
             version=self.versions[p],
-            tensors={n: self.params[n].clone() for n in self.fragments[p]},
+            tensors={n: self.published[n].clone() for n in self.fragments[p]},
         )
+
+    def global_update(self, p: int) -> bytes | None:
+        """The encoded update from version v - 1 to the current version v of fragment p, for a
+        learner that holds v - 1 (None when global_compression is none or nothing was merged)."""
+        return self.updates.get(p)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.params.items()}
@@ -402,6 +441,12 @@ class Syncer:
             "merges": self.merges,
             "ema": [self.xi_step.value, self.xi_quorum.value, self.xi_sync.value],
             "expected_learners": self.expected_learners,
+            "published": (
+                None if self.published is self.params else {n: t.clone() for n, t in self.published.items()}
+            ),
+            "updates": {
+                p: torch.frombuffer(bytearray(b), dtype=torch.uint8) for p, b in self.updates.items()
+            },
             "pending": [
                 e.contribution.to_state(arrived=e.arrived)
                 for rnd in self._rounds.values()
@@ -423,6 +468,16 @@ class Syncer:
         self.merges = int(state["merges"])
         self.xi_step.value, self.xi_quorum.value, self.xi_sync.value = state["ema"]
         self.expected_learners = int(state["expected_learners"])
+        published = state.get("published")
+        if self.config.global_compression == "none" or published is None:
+            self.published = self._fresh_published()
+        else:
+            self.published = {n: t.float().clone() for n, t in published.items()}
+        self.updates = (
+            {int(p): t.numpy().tobytes() for p, t in (state.get("updates") or {}).items()}
+            if self.config.global_compression != "none"
+            else {}
+        )
         self._rounds = {p: _Round() for p in range(len(self.fragments))}
         self._last_arrival = {}
         for d in state["pending"]:

@@ -17,7 +17,8 @@ diloco and decoupled run as a discrete-event loop on a `ManualClock`: learner m 
 instant are handled in learner order, and the syncer's merge rule is checked before the clock
 moves on. Every contribution and every global fragment goes through its wire format
 (`to_bytes` / `from_bytes`, with the configured compression for contributions; global
-fragments travel uncompressed), so compression acts on training exactly as in the runtime.
+fragments travel as compressed updates with `global_compression`, else whole in fp32), so
+compression acts on training exactly as in the runtime.
 """
 
 from __future__ import annotations
@@ -257,7 +258,9 @@ class LocalRun:
     def _deliver(self, learner: Learner) -> None:
         for p in range(self.P):
             if self.syncer.versions[p] > learner.adopted_versions[p]:
-                blob = self._global_blob(p)
+                update = self.syncer.global_update(p)
+                one_behind = learner.adopted_versions[p] == self.syncer.versions[p] - 1
+                blob = update if update is not None and one_behind else self._global_blob(p)
                 self.bytes_down += len(blob)
                 learner.adopt(GlobalFragment.from_bytes(blob, expected=self._expected[p]))
 
@@ -374,6 +377,7 @@ class LocalRun:
             rejected=len(self.rejected),
             rejections=dict(self.syncer.rejections),
             compression=self.config.compression,
+            global_compression=self.config.global_compression,
             compression_error_mean=sum(errors) / len(errors) if errors else 0.0,
             compression_error_max=max(errors) if errors else 0.0,
             virtual_time_s=self.clock.now(),

@@ -170,3 +170,17 @@ def test_refused_contribution_goes_out_again_with_the_next_one(learner):
     assert again.base_version == first.base_version and again.inner_steps == 4
     for n in again.tensors:
         torch.testing.assert_close(again.tensors[n], lrn.base[0][n] - lrn.params[n].detach())
+
+
+def test_global_update_applies_only_to_the_version_it_was_made_from(learner):
+    lrn = learner(fragments=1, inner_steps=2, steps=4)
+    names = lrn.fragments[0]
+    zero = {n: torch.zeros_like(lrn.base[0][n].cpu()) for n in names}
+    with pytest.raises(ValueError, match="fetch the full fragment"):
+        lrn.adopt(GlobalFragment("local", 0, 3, zero, base_version=1))
+    bump = {n: torch.full_like(t, 0.5) for n, t in zero.items()}
+    before = {n: lrn.base[0][n].clone() for n in names}
+    assert lrn.adopt(GlobalFragment("local", 0, 1, bump, base_version=0))
+    for n in names:
+        assert torch.equal(lrn.base[0][n], before[n] + 0.5)
+    assert lrn.adopted_versions[0] == 1

@@ -95,3 +95,14 @@ def test_global_fragment_roundtrip_and_kind_check():
         GlobalFragment.from_bytes(_c().to_bytes())
     with pytest.raises(InvalidPayload, match="not a contribution"):
         Contribution.from_bytes(g.to_bytes())
+
+
+def test_global_update_header_round_trip_and_bounds():
+    t = {"w": torch.linspace(-1, 1, 64).reshape(8, 8)}
+    upd = GlobalFragment("job", 0, 5, t, base_version=4)
+    back = GlobalFragment.from_bytes(upd.to_bytes("int8"), expected={"w": (8, 8)})
+    assert back.is_update and back.base_version == 4 and back.version == 5
+    whole = GlobalFragment.from_bytes(GlobalFragment("job", 0, 5, t).to_bytes("none"))
+    assert not whole.is_update and torch.equal(whole.tensors["w"], t["w"])
+    with pytest.raises(InvalidPayload, match="base_version"):
+        GlobalFragment.from_bytes(GlobalFragment("job", 0, 5, t, base_version=5).to_bytes("none"))

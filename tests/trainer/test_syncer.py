@@ -292,3 +292,43 @@ def test_rda_averages_direction_and_magnitude_apart():
     torch.testing.assert_close(syncer.params["wte.weight"], torch.zeros(3, 2))
     expected = -torch.tensor([[1.0, 1.0], [0.0, 0.0]]) / 2**0.5 * 2.0
     torch.testing.assert_close(syncer.params["h.weight"], expected)
+
+
+def test_compressed_global_updates_rebuild_the_published_weights_bit_exactly():
+    """With global_compression, a learner that adds each update holds the syncer's published
+    weights exactly, and the rounding residual params - published stays bounded (error feedback)."""
+    from trainer.protocol import GlobalFragment
+
+    cfg = _config(learners=1, quorum=1, outer_momentum=0.5, global_compression="int4")
+    init = _initial()
+    syncer = Syncer(cfg, init, ManualClock())
+    held = {n: t.clone() for n, t in init.items()}
+    residuals = []
+    for v in range(8):
+        small = {n: t * 0.01 for n, t in _delta(v).items()}
+        syncer.submit(_contrib(0, base_version=v, tensors=small))
+        syncer.merge(0)
+        blob = syncer.global_update(0)
+        update = GlobalFragment.from_bytes(blob, expected=SHAPES)
+        assert update.is_update and (update.base_version, update.version) == (v, v + 1)
+        held = {n: held[n] + update.tensors[n] for n in held}
+        for n in held:
+            assert torch.equal(held[n], syncer.published[n])
+            assert torch.equal(syncer.global_fragment(0).tensors[n], syncer.published[n])
+        residuals.append(max(float((syncer.params[n] - syncer.published[n]).abs().max()) for n in held))
+    step = max(float(t.abs().max()) for t in _delta(0).values()) * 0.01 * 0.7 * 3
+    assert max(residuals) < step  # never accumulates beyond one update's rounding
+    restored = Syncer(cfg, init, ManualClock())
+    restored.load_state_dict(state_from_bytes(state_to_bytes(syncer.state_dict())))
+    assert restored.global_update(0) == syncer.global_update(0)
+    for n in held:
+        assert torch.equal(restored.published[n], syncer.published[n])
+
+
+def test_uncompressed_publication_is_the_global_itself():
+    syncer = Syncer(_config(learners=1, quorum=1), _initial(), ManualClock())
+    syncer.submit(_contrib(0))
+    syncer.merge(0)
+    assert syncer.global_update(0) is None
+    for n, t in syncer.global_fragment(0).tensors.items():
+        assert torch.equal(t, syncer.params[n])

@@ -63,7 +63,28 @@ def test_slow_learner_with_quorum_one(small_config, stdlib_corpus):
     assert math.isfinite(report["final_val_loss"])
 
 
-def test_checkpoint_restore_continue_equals_uninterrupted(small_config, stdlib_corpus):
+def test_global_updates_compressed_with_a_slow_learner(small_config, stdlib_corpus):
+    """int8 global updates: a quarter of the fp32 download for learners one version behind, the
+    full fragment for one that fell further behind, every learner holds the published bits, and
+    training follows the uncompressed run."""
+    cfg = small_config(learners=2, quorum=1, steps=12, inner_steps=2, grace_cap_s=0.5, max_staleness=8)
+    whole = LocalRun(cfg, "decoupled", corpus=stdlib_corpus, speeds=[1.0, 0.5]).run()
+    int8 = cfg.replace(global_compression="int8")
+    run = LocalRun(int8, "decoupled", corpus=stdlib_corpus, speeds=[1.0, 0.5])
+    report = run.run()
+    assert report["global_compression"] == "int8" and report["rejected"] == 0
+    assert report["merges"] == whole["merges"]
+    assert report["bytes_down"] < whole["bytes_down"] / 3  # the slow learner still needs whole fragments
+    assert abs(report["final_val_loss"] - whole["final_val_loss"]) < 0.02
+    for learner in run.learners:
+        for p, names in enumerate(run.syncer.fragments):
+            assert learner.adopted_versions[p] == run.syncer.versions[p]
+            for n in names:
+                assert torch.equal(learner.base[p][n], run.syncer.published[n]), n
+
+
+@pytest.mark.parametrize("global_compression", ["none", "int4"])
+def test_checkpoint_restore_continue_equals_uninterrupted(small_config, stdlib_corpus, global_compression):
     cfg = small_config(
         learners=2,
         quorum=1,
@@ -73,6 +94,7 @@ def test_checkpoint_restore_continue_equals_uninterrupted(small_config, stdlib_c
         outer_lr=0.7,
         outer_momentum=0.9,
         compression="int8",
+        global_compression=global_compression,
     )
     full = LocalRun(cfg, "decoupled", corpus=stdlib_corpus)
     full.run()
