@@ -46,6 +46,9 @@ class JobSpec(BaseModel):
     steps: int = Field(400, ge=1, le=10_000_000, description="inner steps per learner (budget)")
     max_tokens: int | None = Field(None, ge=1, le=10**15, description="optional token budget")
     compression: Compression = "none"
+    global_compression: Compression = Field(
+        "none", description="global updates sent down to learners (none: whole fp32 fragments)"
+    )
     objective: Objective = "time"
     checkpoint_interval: int = Field(10, ge=1, le=100_000, description="outer steps between checkpoints")
     eval_interval: int = Field(5, ge=1, le=100_000, description="outer steps between evaluations")

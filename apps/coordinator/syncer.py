@@ -354,6 +354,9 @@ class SyncerRun:
         tokens_equiv = tokens // max(1, self.P)
         self.counters["tokens_contributed"] += tokens_equiv
         t_blob = time.perf_counter()
+        update = self.syncer.global_update(p)
+        if update is not None:  # global_compression: learners holding v - 1 fetch this instead
+            self.store.put(keys.update_key(self.job_id, p, v, self.epoch), update)
         blob = r.global_fragment.to_bytes("none")
         gkey = keys.global_key(self.job_id, p, v, self.epoch)
         self.store.put(gkey, blob)

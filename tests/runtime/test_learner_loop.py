@@ -187,3 +187,30 @@ def test_successor_waits_for_a_pending_send_and_resends_a_refused_one(corpus):
     third.resume()
     assert not third.learner.outstanding(0)
     assert third.learner.flush()[0].inner_steps == 4  # the refused cycle goes out whole
+
+
+def test_learner_one_version_behind_fetches_the_compressed_update(corpus):
+    """global_compression: the syncer publishes each version whole and as a compressed update;
+    a learner holding v - 1 downloads the update (a quarter of the bytes for int8) and ends up
+    holding the published weights bit for bit."""
+    store = MemoryStore()
+    loop = loop_for(store, corpus, 1, Host(), steps=10_000, global_compression="int8")
+    loop.resume()
+    for _ in range(4):
+        loop.learner.step()
+    assert loop.push_due() == 1
+    loop.writer.flush(5)
+    (key,) = store.list(keys.contrib_prefix("j"))
+    c = cfg(steps=10_000, global_compression="int8")
+    syncer = Syncer(c, Learner(c, 0, corpus=corpus, job="j").model, ManualClock(), job="j")
+    assert syncer.submit(Contribution.from_bytes(store.get(key))).accepted
+    merged = syncer.merge(0, force=True)
+    update, whole = syncer.global_update(0), merged.global_fragment.to_bytes()
+    store.put(keys.update_key("j", 0, 1, 1), update)
+    store.put(keys.global_key("j", 0, 1, 1), whole)
+    store.put(keys.head_key("j"), keys.head_blob({0: 1}, {0: 1}))
+    assert loop.poll_globals() == 1
+    assert loop.bytes_received == len(update) < len(whole) / 3
+    assert loop.learner.adopted_versions[0] == 1
+    for n in loop.learner.fragments[0]:
+        assert torch.equal(loop.learner.base[0][n].cpu(), syncer.published[n])

@@ -280,7 +280,9 @@ def wan(quick: bool, seed: int) -> Scenario:
     chips = 512
     model = DeclaredModel("dense-12B", 12e9, tokens_per_step=16e6)
     H = 8 if quick else 96  # a fragment cycle long enough to hide its transfers on the 1 Gbit/s link
-    cfg = _train(steps, M, inner_steps=H, fragments=4, quorum=2, compression="int4")
+    cfg = _train(
+        steps, M, inner_steps=H, fragments=4, quorum=2, compression="int4", global_compression="int4"
+    )
     spec = SimSpec(
         "wan",
         pools,
@@ -319,8 +321,8 @@ def wan(quick: bool, seed: int) -> Scenario:
                 fewer,
                 ">= 1000",
                 fewer is not None and fewer >= 1000,
-                "all bytes both ways: int4 contributions up, global fragments down as the engine "
-                "sends them (fp32)",
+                "all bytes both ways: int4 contributions up, int4 global updates down (whole fp32 "
+                "fragments to a learner more than one version behind)",
             ),
             _check(
                 "contribution bytes per token, ddp / decoupled (up only)",

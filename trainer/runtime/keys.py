@@ -3,6 +3,9 @@
     global/f<PPP>/v<VVVVVVVV>-e<EEEE>   a GlobalFragment written by syncer epoch E (before its
                                         OuterStep row; the epoch keeps a fenced syncer from
                                         overwriting a committed version)
+    update/f<PPP>/v<VVVVVVVV>-e<EEEE>   the same version as a compressed update from v - 1, when
+                                        the job sets global_compression (written before the
+                                        global, so a committed version has both)
     head                                JSON {fragment: version, "epochs": {fragment: epoch}} of
                                         committed versions (written after the row)
     contrib/l<LLL>-i<IIII>-f<PPP>-v<BBBBBBBB>-t<start>-<end>
@@ -24,6 +27,11 @@ def job_prefix(job) -> str:
 
 def global_key(job, fragment: int, version: int, epoch: int | None = None) -> str:
     base = f"jobs/{job}/global/f{fragment:03d}/v{version:08d}"
+    return base if epoch is None else f"{base}-e{int(epoch):04d}"
+
+
+def update_key(job, fragment: int, version: int, epoch: int | None = None) -> str:
+    base = f"jobs/{job}/update/f{fragment:03d}/v{version:08d}"
     return base if epoch is None else f"{base}-e{int(epoch):04d}"
 
 

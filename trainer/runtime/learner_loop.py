@@ -105,6 +105,7 @@ class LearnerLoop:
         self.head_epochs: dict[int, int] = {}
         self.contributions = 0
         self.bytes_sent = 0
+        self.bytes_received = 0
         self.last_loss: float | None = None
         self.staleness = 0
 
@@ -182,7 +183,7 @@ class LearnerLoop:
             self.head_versions[p] = v
             if v > have.get(p, -1):
                 try:
-                    g = self.decode_global(self.store.get(keys.global_key(self.job, p, v, epochs.get(p))))
+                    g = self._fetch_global(p, v, epochs.get(p), have.get(p, -1))
                 except Exception:
                     log.warning("global fragment %s v%s unreadable", p, v, exc_info=True)
                     continue
@@ -192,6 +193,21 @@ class LearnerLoop:
             self.staleness = max((self.head_versions.get(p, 0) - have.get(p, 0)) for p in self.head_versions)
         self._unblock_refused(head)
         return adopted
+
+    def _fetch_global(self, p: int, v: int, epoch: int | None, have: int):
+        """The compressed update when this learner holds v - 1 and the job publishes updates,
+        else the whole fragment."""
+        if v == have + 1:
+            try:
+                blob = self.store.get(keys.update_key(self.job, p, v, epoch))
+            except KeyError:
+                blob = None
+            if blob is not None:
+                self.bytes_received += len(blob)
+                return self.decode_global(blob)
+        blob = self.store.get(keys.global_key(self.job, p, v, epoch))
+        self.bytes_received += len(blob)
+        return self.decode_global(blob)
 
     def _unblock_refused(self, head: dict) -> None:
         """A fragment whose contribution the syncer refused (its blob is gone, no newer version

@@ -63,7 +63,6 @@ class SimSpec:
     min_move_gain: float = 0.2
     wall_limit_s: float | None = None  # safety stop (reported), never expected to trigger
     max_time_s: float | None = None  # virtual-time stop (reported): a strategy that cannot progress
-    global_wire: str = "none"  # wire format of global fragments (the engine sends fp32)
     kill: dict[int, float] = field(default_factory=dict)  # learner -> time it dies for good (what-if, tests)
 
     @property
@@ -549,9 +548,13 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
         s = slots[j]
         if not s.up or (j, p) in downloading or syncer.versions[p] <= s.learner.adopted_versions[p]:
             return
-        g = syncer.global_fragment(p)
-        blob = g.to_bytes(spec.global_wire)
-        nbytes = frag_params[p] * WIRE_BYTES_PER_PARAM[spec.global_wire]
+        # the compressed update when the learner holds the version before, else the whole fragment
+        update = syncer.global_update(p)
+        if update is not None and s.learner.adopted_versions[p] == syncer.versions[p] - 1:
+            blob, wire = update, cfg.global_compression
+        else:
+            blob, wire = syncer.global_fragment(p).to_bytes("none"), "none"
+        nbytes = frag_params[p] * WIRE_BYTES_PER_PARAM[wire]
         arr = run.links[run.islands[j].pool.slug].send(t, nbytes, "down")
         downloading.add((j, p))
         q.push(arr, "global", i=j, inc=s.incarnation, blob=blob, fragment=p)
@@ -709,7 +712,8 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
                 fetch(d["i"], d["fragment"], t)  # a download for an older incarnation: start afresh
                 continue
             g = GlobalFragment.from_bytes(d["blob"], expected[d["fragment"]])
-            if s.learner.adopt(g):
+            applies = not g.is_update or g.base_version == s.learner.adopted_versions[d["fragment"]]
+            if applies and s.learner.adopt(g):
                 # checkpoint after adopting too, so a restart does not re-apply merged progress
                 run.ledgers[d["i"]].commit()
                 checkpoint(s)
