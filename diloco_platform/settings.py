@@ -112,7 +112,14 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1500, "expiry": 30},
+            # channels-redis blocks 5 s in BZPOPMIN; redis-py's default socket timeout is also 5 s,
+            # so idle consumers raised "Timeout reading from ..." every few seconds. The socket
+            # timeout must outlast the blocking read; a dropped connection still fails at once.
+            "CONFIG": {
+                "hosts": [{"address": REDIS_URL, "socket_timeout": 15}],
+                "capacity": 1500,
+                "expiry": 30,
+            },
         }
     }
 else:

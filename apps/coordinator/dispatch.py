@@ -24,8 +24,8 @@ BUSY = (Learner.State.STARTING, Learner.State.RUNNING)
 def pool_capacity(pool: Pool) -> int:
     """Learner slots of a pool: its declared devices while at least one of its nodes is live.
 
-    Nodes report GPUs they detect, but on CPU pools a node's slots are its worker processes,
-    which the node table does not know; so the pool's declared device_count is the capacity
+    Nodes report their slots (GPUs detected, or worker processes on CPU nodes), but a pool's
+    workers may register one by one, so the pool's declared device_count stays the capacity
     and node liveness only switches it on or off. A pool whose every node is lost, offline
     or silent gets nothing; a pool with no registered node yet is trusted.
     """

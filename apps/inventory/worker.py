@@ -107,8 +107,10 @@ class NodeAgent:
         slug: str,
         token: str | None = None,
         interval_s: float | None = None,
+        slots: int = 1,
     ):
         self.worker_name = worker_name
+        self.slots = max(1, int(slots))  # worker processes: the learner slots of a CPU node
         self.queues = queues
         self.slug = slug
         self.token = token
@@ -149,7 +151,7 @@ class NodeAgent:
                 "pool": pool,
                 "hostname": socket.gethostname(),
                 "devices": devices,
-                "device_count": sum(1 for d in devices if d["kind"] != "cpu") or 1,
+                "device_count": sum(1 for d in devices if d["kind"] != "cpu") or self.slots,
                 "agent_version": AGENT_VERSION,
                 "pid": os.getpid(),
                 "state": Node.State.ONLINE,
@@ -224,6 +226,17 @@ def node_for_worker(hostname: str | None):
     return Node.objects.select_related("pool").filter(worker_name=hostname).first()
 
 
+def worker_slots(worker) -> int:
+    """Tasks a Celery worker runs at once: 1 for the solo pool, else its concurrency."""
+    pool_cls = getattr(worker, "pool_cls", None)
+    if pool_cls is not None and getattr(pool_cls, "__module__", "").endswith(".solo"):
+        return 1
+    try:
+        return max(1, int(getattr(worker, "concurrency", 1) or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
 @signals.worker_ready.connect(dispatch_uid="diloco.inventory.worker_ready")
 def on_worker_ready(sender=None, **kwargs) -> None:
     global _agent
@@ -234,7 +247,13 @@ def on_worker_ready(sender=None, **kwargs) -> None:
         queues = sorted(sender.app.amqp.queues.consume_from)
     except AttributeError:
         queues = [q.name for q in getattr(sender.task_consumer, "queues", [])]
-    agent = NodeAgent(sender.hostname, queues, slug, token=os.environ.get("DILOCO_POOL_TOKEN") or None)
+    agent = NodeAgent(
+        sender.hostname,
+        queues,
+        slug,
+        token=os.environ.get("DILOCO_POOL_TOKEN") or None,
+        slots=worker_slots(sender),
+    )
     try:
         if agent.register() is None:
             return

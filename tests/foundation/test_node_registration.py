@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from django.conf import settings
@@ -122,6 +123,8 @@ def test_worker_registers_heartbeats_and_goes_offline(tmp_path, cpu_pool):
         assert node.agent_version == AGENT_VERSION
         assert node.devices == detect_devices()
         assert node.devices[0]["kind"] in ("cpu", "cuda")
+        if node.devices[0]["kind"] == "cpu":
+            assert node.device_count == 1  # a solo-pool worker runs one learner at a time
         first_seen = node.last_seen
 
         # The heartbeat moves last_seen on.
@@ -169,6 +172,24 @@ def test_agent_registers_and_reregisters(cpu_pool):
     Node.objects.all().delete()
     agent.beat()  # the row was deleted by an operator: the next beat registers again
     assert Node.objects.filter(worker_name="w@h", state="online").count() == 1
+
+
+@pytest.mark.django_db
+def test_cpu_node_slots_follow_the_worker_concurrency(cpu_pool, monkeypatch):
+    from celery.concurrency.prefork import TaskPool as Prefork
+    from celery.concurrency.solo import TaskPool as Solo
+
+    from apps.inventory import worker
+
+    monkeypatch.setattr(worker, "detect_devices", lambda: [{"kind": "cpu", "name": "cpu"}])
+    pk = NodeAgent("w@h", ["pool.reg-pool"], "reg-pool", slots=3).register()
+    assert Node.objects.get(pk=pk).device_count == 3
+    assert worker.worker_slots(SimpleNamespace(pool_cls=Prefork, concurrency=3)) == 3
+    assert worker.worker_slots(SimpleNamespace(pool_cls=Solo, concurrency=2)) == 1
+    assert worker.worker_slots(SimpleNamespace(pool_cls=Prefork, concurrency=None)) == 1
+    monkeypatch.setattr(worker, "detect_devices", lambda: [{"kind": "cuda", "name": "H100"}] * 2)
+    pk = NodeAgent("w2@h", ["pool.reg-pool"], "reg-pool", slots=8).register()
+    assert Node.objects.get(pk=pk).device_count == 2  # accelerators: one learner per device
 
 
 def test_detect_devices_reads_nvidia_smi(tmp_path, monkeypatch):
