@@ -269,6 +269,7 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
                "active_seconds": round(result.active_seconds, 3),
                "train_seconds": round(result.train_seconds, 3), "tokens_per_s": tps,
                "contributions": result.contributions, "bytes_sent": result.bytes_sent,
+               "bytes_received": result.bytes_received, "updates_received": result.updates_received,
                "blob_write_seconds": round(loop.writer.write_seconds, 3),
                "speed_factor": loop.speed_factor, "pool": learner.pool.slug if learner.pool else None})
     return result.outcome

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from apps.jobs import state as st
-from apps.jobs.models import Checkpoint, Job, Learner, MetricPoint, OuterStep
+from apps.jobs.models import Checkpoint, Event, Job, Learner, MetricPoint, OuterStep
 from apps.jobs.services import submit_job
 
 from .conftest import TINY, needs_services
@@ -34,7 +34,8 @@ def duplicates(job) -> int:
 
 
 def test_job_completes_and_loss_falls(stack, owner):
-    job, _ = submit_job(owner, dict(TINY))
+    # global weights come down as int8 updates (the other e2e jobs use whole fp32 fragments)
+    job, _ = submit_job(owner, dict(TINY, global_compression="int8"))
     t0 = time.monotonic()
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=120, what="job end")
     job.refresh_from_db()
@@ -56,6 +57,9 @@ def test_job_completes_and_loss_falls(stack, owner):
     goodput = list(MetricPoint.objects.filter(job=job, name="goodput").values_list("value", flat=True))
     assert goodput and all(0 < v <= 1 for v in goodput)
     assert MetricPoint.objects.filter(job=job, name="bytes_sent").exists()
+    ends = [e.payload for e in Event.objects.filter(job=job, payload__has_key="updates_received")]
+    assert ends and sum(d["updates_received"] for d in ends) > 0
+    assert all(d["bytes_received"] > 0 for d in ends)
 
     bench(stack, owner)
 
@@ -66,7 +70,6 @@ def bench(stack, owner):
     import torch
 
     from apps.coordinator.common import corpus, default_cache_dir
-    from apps.jobs.models import Event
     from trainer.config import TrainConfig
     from trainer.learner import Learner as EngineLearner
     from trainer.spec import JobSpec

@@ -211,6 +211,7 @@ def test_learner_one_version_behind_fetches_the_compressed_update(corpus):
     store.put(keys.head_key("j"), keys.head_blob({0: 1}, {0: 1}))
     assert loop.poll_globals() == 1
     assert loop.bytes_received == len(update) < len(whole) / 3
+    assert loop.updates_received == 1
     assert loop.learner.adopted_versions[0] == 1
     for n in loop.learner.fragments[0]:
         assert torch.equal(loop.learner.base[0][n].cpu(), syncer.published[n])

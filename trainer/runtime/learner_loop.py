@@ -66,6 +66,8 @@ class LoopResult:
     tokens: int = 0
     contributions: int = 0
     bytes_sent: int = 0
+    bytes_received: int = 0
+    updates_received: int = 0  # global versions that came down as compressed updates
     seconds: float = 0.0
     train_seconds: float = 0.0
     active_seconds: float = 0.0  # from start to the end of the last step (no resume, no final wait)
@@ -106,6 +108,7 @@ class LearnerLoop:
         self.contributions = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.updates_received = 0
         self.last_loss: float | None = None
         self.staleness = 0
 
@@ -204,6 +207,7 @@ class LearnerLoop:
                 blob = None
             if blob is not None:
                 self.bytes_received += len(blob)
+                self.updates_received += 1
                 return self.decode_global(blob)
         blob = self.store.get(keys.global_key(self.job, p, v, epoch))
         self.bytes_received += len(blob)
@@ -433,6 +437,8 @@ class LearnerLoop:
         result.tokens = int(self.learner.tokens)
         result.contributions = self.contributions
         result.bytes_sent = self.bytes_sent
+        result.bytes_received = self.bytes_received
+        result.updates_received = self.updates_received
         result.seconds = self.clock() - t_start
         result.train_seconds = train_s
         return result
