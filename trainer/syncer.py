@@ -39,7 +39,9 @@ Idempotency: every applied key (learner, incarnation, fragment, base_version) is
 (keys that the staleness bound would refuse anyway are pruned), and `state_dict()` carries
 them, so a syncer restored from a checkpoint never applies a contribution twice. Fencing: a
 contribution from an incarnation older than the newest seen (or fenced) for its learner is
-refused, and `fence()` drops pending ones from older incarnations.
+refused, and `fence()` drops pending ones from older incarnations. A caller that fences with
+finer knowledge (the runtime: token ranges against the successor's resume point) builds the
+syncer with `fence_incarnations=False` and `withdraw()`s what its own rule refuses.
 """
 
 from __future__ import annotations
@@ -114,10 +116,14 @@ class Syncer:
         initial: dict[str, torch.Tensor] | nn.Module,
         clock: Clock,
         job: str = "local",
+        fence_incarnations: bool = True,
     ) -> None:
         self.config = config
         self.clock = clock
         self.job = job
+        # False: the caller fences (the runtime does it from token ranges and resume points, and
+        # withdraws what its rule refuses), so a predecessor's finished work is not lost.
+        self.fence_incarnations = fence_incarnations
         named = dict(initial.named_parameters()) if isinstance(initial, nn.Module) else dict(initial)
         self.fragments = make_fragments(named, config.fragments, config.fragment_mode)
         self.fragment_of = {n: p for p, names in enumerate(self.fragments) for n in names}
@@ -151,7 +157,8 @@ class Syncer:
         now = self.clock.now() if now is None else now
         if c.job != self.job:
             return self._reject(f"wrong_job: {c.job!r} is not {self.job!r}")
-        if c.incarnation < self.incarnations.get(c.learner, 0):
+        newest = self.incarnations.get(c.learner, 0)
+        if c.incarnation < newest and self.fence_incarnations:
             return self._reject(f"fenced: incarnation {c.incarnation} of learner {c.learner} is superseded")
         if not 0 <= c.fragment < len(self.fragments):
             return self._reject(f"bad_fragment: {c.fragment}")
@@ -184,9 +191,9 @@ class Syncer:
         if tensor_checksum(c.tensors) != c.checksum:
             return self._reject("checksum: payload does not match its checksum")
         # accepted
-        if c.incarnation > self.incarnations.get(c.learner, 0):
+        if c.incarnation > newest and self.fence_incarnations:
             self.fence(c.learner, c.incarnation)
-        self.incarnations[c.learner] = c.incarnation
+        self.incarnations[c.learner] = max(newest, c.incarnation)
         last = self._last_arrival.get((c.learner, c.fragment))
         if last is not None and now > last:
             self.xi_step.update((now - last) / c.inner_steps)
@@ -213,6 +220,15 @@ class Syncer:
                 del rnd.pending[key]
                 self.rejections["fenced"] = self.rejections.get("fenced", 0) + 1
             self._recheck_quorum(rnd)
+
+    def withdraw(self, key: tuple) -> bool:
+        """Take a pending contribution back out (the caller's fencing refused it after all)."""
+        rnd = self._rounds.get(key[2])  # key: (learner, incarnation, fragment, base_version)
+        if rnd is None or key not in rnd.pending:
+            return False
+        del rnd.pending[key]
+        self._recheck_quorum(rnd)
+        return True
 
     def _recheck_quorum(self, rnd: _Round) -> None:
         if not rnd.pending:

@@ -115,7 +115,8 @@ class SyncerRun:
         model = build_model(self.config.model, seq_len=self.config.seq_len, seed=self.config.seed,
                             vocab_size=data.vocab_size)
         self.eval_model = model
-        self.syncer = Syncer(self.config, model, WallClock(), job=str(self.job_id))
+        # fencing by incarnation happens here (admit / _refence), from token ranges
+        self.syncer = Syncer(self.config, model, WallClock(), job=str(self.job_id), fence_incarnations=False)
         self.shapes = {k: tuple(v.shape) for k, v in self.syncer.global_state().items()}
         lease = SyncerLease.objects.get(job_id=self.job_id)
         if lease.state_key:
@@ -158,6 +159,7 @@ class SyncerRun:
                    if f[2] in (Learner.State.RUNNING, Learner.State.STARTING, Learner.State.PENDING))
         self.syncer.set_expected_learners(max(1, live))
         self.live = live
+        self._refence()
         self.beats = getattr(self, "beats", 0) + 1
         if self.beats % 10 == 1:  # running totals for dashboards (final figures at the end)
             self.account()
@@ -200,21 +202,46 @@ class SyncerRun:
             tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed")))
 
     # ------------------------------------------------------------------ contributions
+    def _superseded(self, ref: keys.ContribRef) -> str | None:
+        """For a contribution of an older incarnation: None when it may still be applied (it ends
+        where the successor resumed, or before), 'wait' while the successor has not said where
+        it resumes, 'zombie' when the successor computes those tokens again."""
+        inc, point, _state = self.fences[ref.learner]
+        if ref.incarnation >= inc:
+            return None
+        if point is None:
+            return "wait"
+        frag_pos = point.get("frag_pos") or {}
+        limit = int(frag_pos.get(str(ref.fragment), frag_pos.get(ref.fragment, 0)))
+        return "zombie" if ref.end > limit else None
+
+    def _refence(self) -> None:
+        """Pending contributions whose learner has since been restarted: the predecessor's work
+        stays in the merge when the successor resumed after it; otherwise it is taken back out
+        (refused as a zombie, or put back to wait for the successor's resume point)."""
+        for key, ref in list(self.pending.items()):
+            if ref.learner not in self.fences:
+                continue
+            verdict = self._superseded(ref)
+            if verdict is None:
+                continue
+            self.syncer.withdraw((ref.learner, ref.incarnation, ref.fragment, ref.base_version))
+            del self.pending[key]
+            if verdict == "wait":
+                self.seen.discard(key)  # scanned again once the resume point is known
+            else:
+                self._refuse(ref, verdict)
+
     def admit(self, ref: keys.ContribRef) -> str:
         """'ok' | 'wait' | a refusal reason, from fencing and the ledger."""
         fence = self.fences.get(ref.learner)
         if fence is None:
             return "unknown learner"
-        inc, point, _state = fence
-        if ref.incarnation > inc:
+        if ref.incarnation > fence[0]:
             return "wait"
-        if ref.incarnation < inc:
-            if point is None:
-                return "wait"  # the new incarnation has not said where it resumes yet
-            limit = int((point.get("frag_pos") or {}).get(str(ref.fragment),
-                        (point.get("frag_pos") or {}).get(ref.fragment, 0)))
-            if ref.end > limit:
-                return "zombie"
+        verdict = self._superseded(ref)
+        if verdict is not None:
+            return verdict
         if self.ledger.overlaps(ref.learner, ref.fragment, ref.start, ref.end):
             return "duplicate"
         for other in self.pending.values():

@@ -258,6 +258,25 @@ def test_incarnation_fencing():
     assert not syncer.submit(_contrib(1, incarnation=1, seed=12)).accepted
 
 
+def test_caller_fencing_keeps_a_predecessors_work_until_withdrawn():
+    """fence_incarnations=False (the runtime fences from token ranges): a newer incarnation does
+    not push its predecessor's pending contribution out, an older one is still accepted, and
+    withdraw() takes one back out; a state round trip keeps the predecessor's."""
+    syncer = Syncer(_config(quorum=3), _initial(), ManualClock(), fence_incarnations=False)
+    assert syncer.submit(_contrib(0, incarnation=0)).accepted
+    assert syncer.submit(_contrib(0, incarnation=1, seed=5)).accepted
+    assert syncer.submit(_contrib(1, incarnation=2)).accepted
+    assert syncer.submit(_contrib(1, incarnation=1, seed=6)).accepted  # arrived late, still taken
+    assert syncer.pending_count(0) == 4 and syncer.incarnations == {0: 1, 1: 2}
+    restored = Syncer(_config(quorum=3), _initial(), ManualClock(), fence_incarnations=False)
+    restored.load_state_dict(syncer.state_dict())
+    assert restored.pending_count(0) == 4
+    assert syncer.withdraw((1, 1, 0, 0)) and not syncer.withdraw((1, 1, 0, 0))
+    assert syncer.pending_count(0) == 3
+    result = syncer.merge(0, force=True)
+    assert {(c["learner"], c["incarnation"]) for c in result.contributors} == {(0, 0), (0, 1), (1, 2)}
+
+
 def test_idempotent_across_state_dict_restore():
     cfg = _config(quorum=1, outer_lr=0.7, outer_momentum=0.9)
     syncer = Syncer(cfg, _initial(), ManualClock())
