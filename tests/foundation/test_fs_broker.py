@@ -16,6 +16,7 @@ def connection(folder):
         transport_options={
             "data_folder_in": str(folder),
             "data_folder_out": str(folder),
+            "control_folder": str(folder / "control"),  # kombu's default is ./control
             "store_processed": False,
         },
     )
