@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -167,3 +168,36 @@ def test_platform_restart_pause_resume_cancel(stack, owner):
     print(f"\ncancel: all learners stopped {time.time() - t0:.2f}s after the request")
     assert time.time() - t0 < 10
     assert set(Learner.objects.filter(job=job2).values_list("state", flat=True)) == {Learner.State.STOPPED}
+
+
+def test_synchronous_diloco_and_elastic_growth_on_real_processes(stack, owner):
+    """strategy=diloco merges every learner's contribution in each outer step; a job with
+    max_learners grows onto free slots mid-run, and the joiner's work reaches the model."""
+    job, _ = submit_job(owner, {**TINY, "name": "sync diloco", "strategy": "diloco", "quorum": 1,
+                                "steps": 160})
+    stack.wait_for(lambda: Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=120, what="diloco end")
+    job.refresh_from_db()
+    assert job.status == st.COMPLETED, job.status_reason
+    steps = list(OuterStep.objects.filter(job=job).order_by("id"))
+    sizes = [len({c["learner"] for c in s.contributors}) for s in steps]
+    print(f"\ndiloco: learners per outer step {sizes}")
+    assert len(steps) >= 8 and sizes[:3] == [2, 2, 2]
+    # every merge waits for both learners until one has finished its budget; only then does the
+    # other merge alone (its last progress)
+    first_done = min(e.time for e in Event.objects.filter(job=job, payload__outcome="done"))
+    singles = [s for s, n in zip(steps, sizes, strict=True) if n == 1]
+    assert all(s.created_at >= first_done - timedelta(seconds=1) for s in singles), (sizes, first_done)
+    assert job.final_val_loss < job.initial_val_loss - 0.1
+
+    grow, _ = submit_job(owner, {**TINY, "name": "elastic", "steps": 400, "max_learners": 3})
+    stack.wait_for(lambda: Learner.objects.filter(job=grow).count() == 3, timeout=90, what="a joiner")
+    joined = Event.objects.filter(job=grow, kind=Event.Kind.JOINED).first()
+    assert joined is not None and joined.payload["learner"] == 2
+    stack.wait_for(lambda: Job.objects.get(pk=grow.pk).status in st.TERMINAL, timeout=180, what="elastic end")
+    grow.refresh_from_db()
+    assert grow.status == st.COMPLETED, grow.status_reason
+    newcomer = Learner.objects.get(job=grow, index=2)
+    assert newcomer.state == Learner.State.DONE and newcomer.tokens_contributed > 0
+    assert any(c["learner"] == 2 for s in OuterStep.objects.filter(job=grow) for c in s.contributors)
+    assert duplicates(grow) == 0
+    assert grow.final_val_loss < grow.initial_val_loss - 0.1
