@@ -35,6 +35,9 @@ class JobSpec(BaseModel):
     inner_steps: int = Field(20, ge=1, le=10_000, description="H: inner steps per outer round")
     fragments: int = Field(1, ge=1, le=64, description="P: fragments synced on a staggered schedule")
     quorum: int | None = Field(None, ge=1, le=64, description="K: minimum contributions per merge")
+    syncer_shards: int = Field(
+        1, ge=1, le=64, description="syncer tasks, each merging its share of the fragments (at most P)"
+    )
     outer_lr: float = Field(0.7, gt=0, le=2.0)
     outer_momentum: float = Field(0.9, ge=0, lt=1.0)
     inner_lr: float = Field(3e-3, gt=0, le=1.0)
@@ -94,6 +97,8 @@ class JobSpec(BaseModel):
             raise ValueError("quorum: must not exceed learners")
         if self.fragments > self.inner_steps:
             raise ValueError("fragments: must not exceed inner_steps (one sync per step at most)")
+        if self.syncer_shards > self.fragments:
+            raise ValueError("syncer_shards: must not exceed fragments (a shard merges whole fragments)")
         lo = self.min_learners or self.learners
         hi = self.max_learners or self.learners
         if not lo <= self.learners <= hi:

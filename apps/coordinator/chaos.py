@@ -160,12 +160,12 @@ class Drill:
         # 2. the coordinator worker running the syncer dies (a standby takes over at once);
         #    a supervisor starts it again
         t0 = time.time()
-        lease = SyncerLease.objects.get(job=job)
+        lease = SyncerLease.objects.get(job=job, shard=0)
         commits = lease.commits
         victim = next((n for n in stack.procs if stack.worker_hostname(n) == lease.worker), "coordinator")
         stack.kill(victim)
         stack.restart(victim, wait=False)
-        stack.wait_for(lambda: SyncerLease.objects.get(job=job).restarts >= 1
+        stack.wait_for(lambda: SyncerLease.objects.get(job=job, shard=0).restarts >= 1
                        or Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=90, what="syncer restart")
         self.step("kill -9 coordinator", t0, worker=victim, resumed_from_commit=commits)
 
@@ -206,7 +206,7 @@ class Drill:
                               "time_to_detect_s": round(inc.time_to_detect_s, 3),
                               "time_to_heal_s": round(inc.time_to_heal_s, 3) if inc.healed_at else None,
                               "tokens_lost": inc.tokens_lost})
-        lease = SyncerLease.objects.filter(job=job).first()
+        lease = SyncerLease.objects.filter(job=job, shard=0).first()
         rel = None
         if job.final_val_loss is not None and base.final_val_loss:
             rel = (job.final_val_loss - base.final_val_loss) / base.final_val_loss

@@ -111,13 +111,20 @@ def dispatch_pending(job: Job) -> int:
 
 
 def ensure_syncer(job: Job) -> None:
-    """Start the job's syncer if none holds a fresh lease (restart after a coordinator death)."""
+    """Start each syncer shard of the job that holds no fresh lease (restart after a death)."""
+    shards = max(1, int((job.spec or {}).get("syncer_shards") or 1))
+    for shard in range(shards):
+        _ensure_syncer_shard(job, shard, shards)
+
+
+def _ensure_syncer_shard(job: Job, shard: int, shards: int) -> None:
     from .tasks import run_syncer
 
     # lease.worker: "" = no syncer (never started or stopped cleanly), "dispatched" = sent,
     # else the worker running it; last_heartbeat: its pulse (or the dispatch time)
+    name = "syncer" if shards == 1 else f"syncer shard {shard}"
     with transaction.atomic():
-        lease, _created = SyncerLease.objects.select_for_update().get_or_create(job=job)
+        lease, _created = SyncerLease.objects.select_for_update().get_or_create(job=job, shard=shard)
         if lease.finished:
             return
         if lease.last_heartbeat and lease.last_heartbeat >= now() - timedelta(seconds=syncer_timeout()):
@@ -128,17 +135,17 @@ def ensure_syncer(job: Job) -> None:
         if lost:
             lease.restarts += 1
             Incident.objects.create(job=job, kind="syncer_lost", failed_at=lease.last_heartbeat,
-                                    description=f"syncer epoch {epoch - 1} missed its heartbeats",
+                                    description=f"{name} epoch {epoch - 1} missed its heartbeats",
                                     details={"epoch": epoch - 1, "worker": lease.worker,
-                                             "commits": lease.commits})
+                                             "commits": lease.commits, "shard": shard})
         lease.last_heartbeat = now()
         lease.worker = "dispatched"
         lease.started_at = None
         lease.save()
-        transaction.on_commit(lambda: run_syncer.delay(job.pk, epoch))
+        transaction.on_commit(lambda: run_syncer.delay(job.pk, epoch, shard))
     if lost:
-        event(job, Event.Kind.FAILED, f"syncer lost; restarting from commit {lease.commits} (epoch {epoch})",
-              {"epoch": epoch, "commits": lease.commits})
+        event(job, Event.Kind.FAILED, f"{name} lost; restarting from commit {lease.commits} (epoch {epoch})",
+              {"epoch": epoch, "commits": lease.commits, "shard": shard})
 
 
 def settle_pause(job: Job) -> str:

@@ -226,6 +226,7 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
         # older one recomputes a little, and the ledger refuses any overlap with what was applied
         poll_interval=min(0.25, hb_interval()), checkpoint_interval=max(1.0, 2 * hb_interval()),
         speed_factor=learner.pool.speed_factor if learner.pool else 1.0,
+        syncer_shards=int(spec.get("syncer_shards") or 1),
     )
     try:
         loop.resume()

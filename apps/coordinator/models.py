@@ -6,13 +6,15 @@ from django.utils import timezone
 
 
 class SyncerLease(models.Model):
-    """Who runs a job's syncer, its fencing epoch and its last committed state.
+    """Who runs a job's syncer (one shard of it), its fencing epoch and its last committed state.
 
     A syncer commits only while its epoch is the lease's epoch (checked in the commit
-    transaction), so a syncer that was given up for dead can never commit again.
+    transaction), so a syncer that was given up for dead can never commit again. A job with
+    `syncer_shards` S has S leases; shard k merges the fragments p with p % S == k.
     """
 
-    job = models.OneToOneField("jobs.Job", on_delete=models.CASCADE, related_name="syncer_lease")
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="syncer_leases")
+    shard = models.PositiveIntegerField(default=0)
     epoch = models.PositiveIntegerField(default=0)
     worker = models.CharField(max_length=255, blank=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
@@ -25,8 +27,12 @@ class SyncerLease(models.Model):
     zombies_refused = models.PositiveIntegerField(default=0)
     finished = models.BooleanField(default=False)
 
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "shard"], name="one_lease_per_syncer_shard")]
+
     def __str__(self) -> str:
-        return f"syncer of job {self.job_id} (epoch {self.epoch})"
+        shard = f" shard {self.shard}" if self.shard else ""
+        return f"syncer{shard} of job {self.job_id} (epoch {self.epoch})"
 
 
 class LearnerRuntime(models.Model):

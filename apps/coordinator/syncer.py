@@ -75,15 +75,24 @@ class Ledger:
 
 
 class SyncerRun:
-    def __init__(self, job_id: int, epoch: int, worker: str):
+    """One syncer shard of a job. With `syncer_shards` S, shard k merges the fragments p with
+    p % S == k and writes its own head and snapshots; shard 0 (the leader) also evaluates,
+    checkpoints, accounts and finishes the job, reading the other shards' committed fragments
+    from the store."""
+
+    def __init__(self, job_id: int, epoch: int, worker: str, shard: int = 0):
         self.job_id = job_id
         self.epoch = epoch
         self.worker = worker
+        self.shard = shard
         self.store = store()
         self.job = Job.objects.get(pk=job_id)
         self.config = train_config(self.job)
         self.spec = self.job.spec
         self.P = self.config.fragments
+        self.shards = max(1, min(self.P, int(self.spec.get("syncer_shards") or 1)))
+        self.mine = [p for p in range(self.P) if p % self.shards == shard]
+        self.leader = shard == 0
         self.ledger = Ledger()
         self.commits = 0
         self.head: dict[int, int] = {}
@@ -118,7 +127,7 @@ class SyncerRun:
         # fencing by incarnation happens here (admit / _refence), from token ranges
         self.syncer = Syncer(self.config, model, WallClock(), job=str(self.job_id), fence_incarnations=False)
         self.shapes = {k: tuple(v.shape) for k, v in self.syncer.global_state().items()}
-        lease = SyncerLease.objects.get(job_id=self.job_id)
+        lease = SyncerLease.objects.get(job_id=self.job_id, shard=self.shard)
         if lease.state_key:
             snap = codec.unpack(self.store.get(lease.state_key))
             self.syncer.load_state_dict(snap["syncer"])
@@ -133,21 +142,24 @@ class SyncerRun:
             saved = dict(lease.head)
             self.head_epochs = {int(k): int(v) for k, v in (saved.pop("epochs", None) or {}).items()}
             self.head = {int(k): int(v) for k, v in saved.items()}
-            self.last_eval_commit = snap.get("last_eval_commit", self.commits)
-            self.last_ckpt_commit = snap.get("last_ckpt_commit", self.commits)
+            self.last_eval_commit = snap.get("last_eval_commit", self._outer_steps())
+            self.last_ckpt_commit = snap.get("last_ckpt_commit", self._outer_steps())
             # make sure learners see the committed head (step 4 may not have happened)
-            self.store.put(keys.head_key(self.job_id), keys.head_blob(self.head, self.head_epochs))
-            log.info("syncer of job %s resumed at commit %s (epoch %s)",
-                     self.job_id, self.commits, self.epoch)
-        elif self.job.initial_val_loss is None:
+            self.store.put(keys.head_key(self.job_id, self.shard),
+                           keys.head_blob(self.head, self.head_epochs))
+            log.info("syncer shard %s of job %s resumed at commit %s (epoch %s)",
+                     self.shard, self.job_id, self.commits, self.epoch)
+        elif self.job.initial_val_loss is None and self.leader:
             loss = self.evaluate()
             Job.objects.filter(pk=self.job_id).update(initial_val_loss=loss)
             self._metric("val_loss", loss, 0)
 
     # ------------------------------------------------------------------ lease
+    def _lease(self):
+        return SyncerLease.objects.filter(job_id=self.job_id, shard=self.shard, epoch=self.epoch)
+
     def heartbeat(self) -> str:
-        n = SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(
-            last_heartbeat=now(), worker=self.worker)
+        n = self._lease().update(last_heartbeat=now(), worker=self.worker)
         if n == 0:
             raise LeaseLost(f"syncer epoch {self.epoch} superseded")
         status = Job.objects.filter(pk=self.job_id).values_list("status", flat=True).first()
@@ -161,7 +173,7 @@ class SyncerRun:
         self.live = live
         self._refence()
         self.beats = getattr(self, "beats", 0) + 1
-        if self.beats % 10 == 1:  # running totals for dashboards (final figures at the end)
+        if self.beats % 10 == 1 and self.leader:  # running totals for dashboards (final figures at the end)
             self.account()
         return status
 
@@ -258,7 +270,7 @@ class SyncerRun:
             if key in self.seen:
                 continue
             ref = keys.parse_contrib_key(key)
-            if ref is None:
+            if ref is None or ref.fragment % self.shards != self.shard:  # another shard's fragment
                 self.seen.add(key)
                 continue
             verdict = self.admit(ref)
@@ -340,7 +352,7 @@ class SyncerRun:
         if live is None or live >= self.config.quorum:
             return 0
         done = 0
-        for p in range(self.P):
+        for p in self.mine:
             if self.syncer.pending_count(p) >= max(1, live):
                 t0 = time.perf_counter()
                 try:
@@ -393,7 +405,7 @@ class SyncerRun:
         self.commits += 1
         self.head[p] = v
         self.head_epochs[p] = self.epoch
-        snap_key = keys.syncer_state_key(self.job_id, self.commits, self.epoch)
+        snap_key = keys.syncer_state_key(self.job_id, self.commits, self.epoch, self.shard)
         self.store.put(snap_key, codec.pack({
             "syncer": self.syncer.state_dict(), "ledger": self.ledger.to_dict(), "counters": self.counters,
             "pending": sorted(self.pending),
@@ -402,8 +414,7 @@ class SyncerRun:
         t_db = time.perf_counter()
         self.timing["snapshot_s"] += t_db - t_snap
         with transaction.atomic():
-            lease = SyncerLease.objects.select_for_update() \
-                .filter(job_id=self.job_id, epoch=self.epoch).first()
+            lease = self._lease().select_for_update().first()
             if lease is None:
                 raise LeaseLost("lease lost before commit")
             OuterStep.objects.create(job_id=self.job_id, fragment=p, version=v, contributors=contributors,
@@ -422,7 +433,7 @@ class SyncerRun:
                     tokens_contributed=F("tokens_contributed") + (u.end - u.start) // max(1, self.P))
         self.timing["db_s"] += time.perf_counter() - t_db
         t_blob = time.perf_counter()
-        self.store.put(keys.head_key(self.job_id), keys.head_blob(self.head, self.head_epochs))
+        self.store.put(keys.head_key(self.job_id, self.shard), keys.head_blob(self.head, self.head_epochs))
         for u in used:
             with contextlib.suppress(Exception):
                 self.store.delete(u.key)
@@ -432,17 +443,54 @@ class SyncerRun:
         self.timing["blob_s"] += time.perf_counter() - t_blob
         self.sync_seconds += merge_s + (time.perf_counter() - t0)
         self.commits_here += 1
-        publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": self.commits})
+        total = self._outer_steps()
+        publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": total})
         self.last_merged_norm = float(r.merged_norm)
-        evaluate = self.commits - self.last_eval_commit >= int(self.spec.get("eval_interval", 5))
+        if not self.leader:
+            return
+        evaluate = total - self.last_eval_commit >= int(self.spec.get("eval_interval", 5))
         if evaluate or time.monotonic() - self.last_metrics_at >= METRIC_EVERY_S:
             self.job_metrics()
         if evaluate:
-            self.last_eval_commit = self.commits
+            self.last_eval_commit = total
             self._metric("val_loss", self.evaluate(), self._tokens())
-        if self.commits - self.last_ckpt_commit >= int(self.spec.get("checkpoint_interval", 10)):
-            self.last_ckpt_commit = self.commits
+        if total - self.last_ckpt_commit >= int(self.spec.get("checkpoint_interval", 10)):
+            self.last_ckpt_commit = total
             self.export(Checkpoint.Kind.PERIODIC)
+
+    def _outer_steps(self) -> int:
+        """Outer steps of the whole job (this shard's commits when it is the only one)."""
+        if self.shards == 1:
+            return self.commits
+        return int(Job.objects.filter(pk=self.job_id).values_list("outer_steps", flat=True).first() or 0)
+
+    def _heads(self) -> list[tuple[dict[int, int], dict[int, int]]]:
+        """(versions, epochs) committed by every shard: this one's from memory, the others' heads
+        from the store."""
+        out = []
+        for k in range(self.shards):
+            if k == self.shard:
+                out.append((dict(self.head), dict(self.head_epochs)))
+                continue
+            try:
+                out.append(keys.parse_head(self.store.get(keys.head_key(self.job_id, k))))
+            except Exception:
+                out.append(({}, {}))
+        return out
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """Every fragment's committed weights: this shard's from its engine, the other shards'
+        from the global blobs their heads name."""
+        from trainer.protocol import GlobalFragment
+
+        state = self.syncer.global_state()
+        for k, (head, epochs) in enumerate(self._heads()):
+            if k == self.shard:
+                continue
+            for p, v in head.items():
+                blob = self.store.get(keys.global_key(self.job_id, p, v, epochs.get(p)))
+                state.update(GlobalFragment.from_bytes(blob, expected=self._expected(p)).tensors)
+        return state
 
     def _head_json(self) -> dict:
         return {**{str(k): x for k, x in self.head.items()},
@@ -456,7 +504,7 @@ class SyncerRun:
         from trainer.data import evaluate
 
         if hasattr(self, "syncer"):
-            self.eval_model.load_state_dict(self.syncer.global_state(), strict=False)
+            self.eval_model.load_state_dict(self.global_state(), strict=False)
         data = corpus(self.config.dataset, self.config.cache_dir)
         return float(evaluate(self.eval_model, data, self.config.eval_batch_size or self.config.batch_size,
                               self.config.seq_len, batches=self.config.eval_batches, seed=0))
@@ -491,17 +539,19 @@ class SyncerRun:
     def export(self, kind: str) -> Checkpoint:
         from safetensors.torch import save
 
-        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.syncer.global_state().items()}
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.global_state().items()}
+        total = self._outer_steps()
+        versions = {str(p): v for head, _ in self._heads() for p, v in head.items()}
         config = {"model": self.config.model, "seq_len": self.config.seq_len, "seed": self.config.seed,
-                  "spec": self.spec, "job": self.job_id, "outer_steps": self.commits,
-                  "versions": {str(k): v for k, v in self.head.items()}}
+                  "spec": self.spec, "job": self.job_id, "outer_steps": total,
+                  "versions": dict(sorted(versions.items(), key=lambda kv: int(kv[0])))}
         blob = save(tensors, metadata={"config": json.dumps(config)})
-        key = keys.checkpoint_key(self.job_id, self.commits, kind)
+        key = keys.checkpoint_key(self.job_id, total, kind)
         self.store.put(key, blob)
         self.store.put(key.removesuffix(".safetensors") + ".json", json.dumps(config, indent=2).encode())
-        ck = Checkpoint.objects.create(job_id=self.job_id, version=self.commits, kind=kind, blob_uri=key,
+        ck = Checkpoint.objects.create(job_id=self.job_id, version=total, kind=kind, blob_uri=key,
                                        size_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
-        event(self.job, Event.Kind.CHECKPOINTED, f"{kind} checkpoint at outer step {self.commits}",
+        event(self.job, Event.Kind.CHECKPOINTED, f"{kind} checkpoint at outer step {total}",
               {"checkpoint": ck.pk, "key": key, "bytes": len(blob)})
         return ck
 
@@ -515,8 +565,7 @@ class SyncerRun:
             if time.monotonic() - self.tick > 60:
                 continue
             try:
-                n = SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch) \
-                    .update(last_heartbeat=now())
+                n = self._lease().update(last_heartbeat=now())
                 if n == 0:
                     return
             except Exception:
@@ -528,7 +577,8 @@ class SyncerRun:
 
         self.tick = time.monotonic()
         self._stop = threading.Event()
-        pulse = threading.Thread(target=self._pulse, name=f"syncer-{self.job_id}-pulse", daemon=True)
+        pulse = threading.Thread(target=self._pulse, name=f"syncer-{self.job_id}-{self.shard}-pulse",
+                                 daemon=True)
         pulse.start()
         try:
             return self._run()
@@ -546,8 +596,7 @@ class SyncerRun:
                 next_hb = t + min(0.5, hb_interval())
                 if status not in ACTIVE_JOB and (status == st.PAUSED or status in st.TERMINAL):
                     self._stop.set()
-                    SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(
-                        worker="", last_heartbeat=None)
+                    self._lease().update(worker="", last_heartbeat=None)
                     return f"stopped: job {status}"
             self.scan()
             self.merge_due()
@@ -556,12 +605,30 @@ class SyncerRun:
                 self.scan()
                 if not self._waiting_keys():
                     self.merge_due(force=True)
-                    self.finish()
-                    return "completed"
+                    if not self.leader:
+                        self.finish_shard()
+                        return "completed"
+                    if self._other_shards_finished():
+                        self.finish()
+                        return "completed"
+                    # else the leader waits for the other shards to merge their last contributions
             time.sleep(0.05)
 
     def _waiting_keys(self) -> bool:
         return any(k not in self.seen for k in self.store.list(keys.contrib_prefix(self.job_id)))
+
+    def _other_shards_finished(self) -> bool:
+        if self.shards == 1:
+            return True
+        done = SyncerLease.objects.filter(job_id=self.job_id, finished=True).exclude(shard=self.shard).count()
+        return done >= self.shards - 1
+
+    def finish_shard(self) -> None:
+        """A shard other than the leader: its fragments are merged to the end."""
+        self._lease().update(finished=True)
+        event(self.job, Event.Kind.INFO, f"syncer shard {self.shard} finished: {self.commits} outer steps",
+              {"shard": self.shard, "commits": self.commits, "commits_this_epoch": self.commits_here,
+               "sync_seconds": round(self.sync_seconds, 4), "epoch": self.epoch, **self.counters})
 
     def _all_learners_finished(self) -> bool:
         states = [f[2] for f in self.fences.values()]
@@ -577,8 +644,9 @@ class SyncerRun:
         Job.objects.filter(pk=self.job_id).update(final_val_loss=loss, tokens_computed=computed,
                                                   tokens_lost=max(0, computed - int(contributed or 0)))
         self.job_metrics()
-        SyncerLease.objects.filter(job_id=self.job_id, epoch=self.epoch).update(finished=True)
-        event(self.job, Event.Kind.INFO, f"syncer finished: {self.commits} outer steps",
+        self._lease().update(finished=True)
+        total = self._outer_steps()
+        event(self.job, Event.Kind.INFO, f"syncer finished: {total} outer steps",
               {"commits": self.commits, "commits_this_epoch": self.commits_here,
                "sync_seconds": round(self.sync_seconds, 4),
                "contribution_read_seconds": round(self.blob_seconds, 4),
@@ -586,7 +654,7 @@ class SyncerRun:
         job = Job.objects.get(pk=self.job_id)
         with contextlib.suppress(st.IllegalTransition):
             job.transition(st.COMPLETED, f"all learners finished; val loss {loss:.4f}")
-        publish(self.job_id, {"type": "job", "status": job.status, "outer_steps": self.commits})
+        publish(self.job_id, {"type": "job", "status": job.status, "outer_steps": total})
         Incident.objects.filter(job_id=self.job_id, healed_at__isnull=True, kind="syncer_lost") \
             .update(healed_at=now())
 
@@ -610,15 +678,15 @@ def _jsonable(v):
     return str(v)
 
 
-def run_syncer_body(job_id: int, epoch: int, worker: str) -> str:
+def run_syncer_body(job_id: int, epoch: int, worker: str, shard: int = 0) -> str:
     close_old_connections()
-    lease = SyncerLease.objects.filter(job_id=job_id).first()
+    lease = SyncerLease.objects.filter(job_id=job_id, shard=shard).first()
     if lease is None or lease.epoch != epoch or lease.finished:
         return "fenced"
-    SyncerLease.objects.filter(job_id=job_id, epoch=epoch).update(
+    SyncerLease.objects.filter(job_id=job_id, shard=shard, epoch=epoch).update(
         started_at=now(), last_heartbeat=now(), worker=worker)
     Incident.objects.filter(job_id=job_id, kind="syncer_lost", healed_at__isnull=True).update(healed_at=now())
-    run = SyncerRun(job_id, epoch, worker)
+    run = SyncerRun(job_id, epoch, worker, shard=shard)
     try:
         return run.run()
     except LeaseLost as exc:

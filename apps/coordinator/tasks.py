@@ -2,7 +2,7 @@
 
   reconcile_job(job_id)                       coordinator queue; called by apps.jobs.services
   run_learner(job_id, index, incarnation)     pool.<slug> queue; long-running, acks early
-  run_syncer(job_id, epoch)                   coordinator queue; long-running, one per job
+  run_syncer(job_id, epoch, shard)            coordinator queue; long-running, one per job shard
   watchdog()                                  coordinator queue; beat, every second
   rebalance()                                 coordinator queue; beat, every few seconds
 """
@@ -34,13 +34,13 @@ def run_learner(self, job_id: int, index: int, incarnation: int) -> str:
 
 @shared_task(bind=True, name="apps.coordinator.tasks.run_syncer", ignore_result=True, acks_late=False,
              time_limit=None, soft_time_limit=None, max_retries=0)
-def run_syncer(self, job_id: int, epoch: int) -> str:
+def run_syncer(self, job_id: int, epoch: int, shard: int = 0) -> str:
     from .syncer import run_syncer_body
 
     try:
-        return run_syncer_body(int(job_id), int(epoch), self.request.hostname or "")
+        return run_syncer_body(int(job_id), int(epoch), self.request.hostname or "", shard=int(shard))
     except Exception:
-        log.exception("syncer of job %s (epoch %s) crashed", job_id, epoch)
+        log.exception("syncer shard %s of job %s (epoch %s) crashed", shard, job_id, epoch)
         raise
 
 

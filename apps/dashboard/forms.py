@@ -24,7 +24,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
                   "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),
     ("Optimisation", ("inner_lr", "outer_lr", "outer_momentum", "weight_decay", "grad_clip",
                       "batch_size", "seq_len", "seed")),
-    ("Placement", ("objective", "compression", "global_compression", "pools")),
+    ("Placement", ("objective", "compression", "global_compression", "syncer_shards", "pools")),
 ]
 
 

@@ -48,6 +48,8 @@ def test_malformed_json_is_400(as_alice, body):
     ({"unknown_field": 1}, "spec.unknown_field"),
     ({"learners": None}, "spec.learners"),
     ({"seed": -1}, "spec.seed"),
+    ({"syncer_shards": 0}, "spec.syncer_shards"),
+    ({"fragments": 2, "syncer_shards": 3}, "spec.syncer_shards"),  # a shard merges whole fragments
 ])
 def test_bad_spec_fields_are_400_with_paths(as_alice, spec, field):
     r = as_alice.post(JOBS, {"spec": {"name": "h", **spec}}, format="json")

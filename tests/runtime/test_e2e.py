@@ -1,14 +1,17 @@
 """End to end with real processes: daphne, pool workers, coordinator, beat, Redis, PostgreSQL."""
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 
 import pytest
 
+from apps.coordinator.models import SyncerLease
 from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Job, Learner, MetricPoint, OuterStep
 from apps.jobs.services import submit_job
+from trainer.transport import open_store
 
 from .conftest import TINY, needs_services
 
@@ -201,3 +204,37 @@ def test_synchronous_diloco_and_elastic_growth_on_real_processes(stack, owner):
     assert any(c["learner"] == 2 for s in OuterStep.objects.filter(job=grow) for c in s.contributors)
     assert duplicates(grow) == 0
     assert grow.final_val_loss < grow.initial_val_loss - 0.1
+
+
+def test_syncer_sharded_by_fragment_survives_a_coordinator_kill(stack, owner):
+    """syncer_shards=2: two syncer tasks each merge half of the fragments and commit their own
+    head; learners read both; a killed coordinator restarts both shards from their own commits;
+    the leader's evaluations and checkpoints hold every fragment's newest weights."""
+    job, _ = submit_job(owner, {**TINY, "name": "sharded", "fragments": 2, "syncer_shards": 2,
+                                "steps": 240})
+    stack.wait_for(lambda: SyncerLease.objects.filter(job=job, commits__gte=2).count() == 2, timeout=90,
+                   what="both shards committing")
+    stack.kill("coordinator")
+    stack.restart("coordinator")
+    stack.wait_for(lambda: Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=180, what="job end")
+    job.refresh_from_db()
+    assert job.status == st.COMPLETED, job.status_reason
+    leases = {lease.shard: lease for lease in SyncerLease.objects.filter(job=job)}
+    print(f"\nsharded: commits {[(k, v.commits, v.restarts) for k, v in sorted(leases.items())]} "
+          f"(shard, commits, restarts), {job.outer_steps} outer steps, "
+          f"val loss {job.initial_val_loss:.3f} -> {job.final_val_loss:.3f}")
+    assert set(leases) == {0, 1} and all(lease.finished for lease in leases.values())
+    assert all(lease.restarts >= 1 for lease in leases.values())  # both came back after the kill
+    assert leases[0].commits + leases[1].commits == job.outer_steps
+    for p in (0, 1):
+        versions = sorted(OuterStep.objects.filter(job=job, fragment=p).values_list("version", flat=True))
+        assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 3
+    assert [set(leases[k].head) - {"epochs"} for k in (0, 1)] == [{"0"}, {"1"}]  # a head per shard
+    assert duplicates(job) == 0
+    assert job.final_val_loss < job.initial_val_loss - 0.1
+    # the leader's final export holds the newest version of both shards' fragments
+    final = Checkpoint.objects.get(job=job, kind=Checkpoint.Kind.FINAL)
+    blobs = open_store(stack.blob_store_url)
+    meta = json.loads(blobs.get(final.blob_uri.removesuffix(".safetensors") + ".json"))
+    assert meta["versions"] == {str(p): leases[p].head[str(p)] for p in (0, 1)}
+    assert meta["outer_steps"] == job.outer_steps

@@ -94,3 +94,7 @@ def test_head_and_global_keys_carry_the_committing_epoch():
     assert keys.syncer_state_key(7, 9, 2) != keys.syncer_state_key(7, 9, 1)
     # heads written without epochs still parse
     assert keys.parse_head(b'{"0": 4}') == ({0: 4}, {})
+    # syncer shards: shard 0 keeps the plain names, the others get their own head and snapshots
+    assert keys.head_keys(7, 3) == ["jobs/7/head", "jobs/7/head-s01", "jobs/7/head-s02"]
+    assert keys.head_key(7) == keys.head_key(7, 0) == "jobs/7/head"
+    assert keys.syncer_state_key(7, 9, 2, shard=1) != keys.syncer_state_key(7, 9, 2)

@@ -215,3 +215,22 @@ def test_learner_one_version_behind_fetches_the_compressed_update(corpus):
     assert loop.learner.adopted_versions[0] == 1
     for n in loop.learner.fragments[0]:
         assert torch.equal(loop.learner.base[0][n].cpu(), syncer.published[n])
+
+
+def test_learner_reads_the_head_of_every_syncer_shard(corpus):
+    """syncer_shards=2: fragment 0's versions are in `head`, fragment 1's in `head-s01`."""
+    store = MemoryStore()
+    loop = loop_for(store, corpus, 1, Host(), steps=10_000, fragments=2)
+    loop.syncer_shards = 2
+    c = cfg(steps=10_000, fragments=2)
+    syncer = Syncer(c, Learner(c, 0, corpus=corpus, job="j").model, ManualClock(), job="j")
+    for p in (0, 1):
+        syncer.versions[p] = 1
+        store.put(keys.global_key("j", p, 1, 1), syncer.global_fragment(p).to_bytes())
+    store.put(keys.head_key("j", 1), keys.head_blob({1: 1}, {1: 1}))
+    assert loop.poll_globals() == 1 and loop.learner.adopted_versions == {0: 0, 1: 1}
+    store.put(keys.head_key("j"), keys.head_blob({0: 1}, {0: 1}))
+    assert loop.poll_globals() == 1 and loop.learner.adopted_versions == {0: 1, 1: 1}
+    loop.syncer_shards = 1  # a one-shard job never looks at head-s01
+    store.put(keys.head_key("j", 1), keys.head_blob({1: 2}, {1: 1}))
+    assert loop.poll_globals() == 0

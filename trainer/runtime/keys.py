@@ -7,12 +7,14 @@
                                         the job sets global_compression (written before the
                                         global, so a committed version has both)
     head                                JSON {fragment: version, "epochs": {fragment: epoch}} of
-                                        committed versions (written after the row)
+                                        committed versions (written after the row); with
+                                        syncer_shards S > 1, shard k > 0 writes head-s<KK> for
+                                        its fragments (p % S == k) and learners read all S
     contrib/l<LLL>-i<IIII>-f<PPP>-v<BBBBBBBB>-t<start>-<end>
                                         a Contribution; [start, end) is the learner's token-stream
                                         range behind it (exactly-once accounting)
     learners/l<LLL>/i<IIII>             newest checkpoint of that learner incarnation
-    syncer/s<CCCCCCCC>-e<EEEE>          syncer snapshot after commit C by epoch E
+    syncer/s<CCCCCCCC>-e<EEEE>[-k<KK>]  syncer snapshot after commit C by epoch E (of shard K > 0)
     checkpoints/v<VVVVVVVV>-<kind>.safetensors   model exports (periodic / final)
 """
 from __future__ import annotations
@@ -52,8 +54,13 @@ def parse_head(blob: bytes) -> tuple[dict[int, int], dict[int, int]]:
     return {int(k): int(v) for k, v in data.items()}, epochs
 
 
-def head_key(job) -> str:
-    return f"jobs/{job}/head"
+def head_key(job, shard: int = 0) -> str:
+    """The committed versions of the fragments one syncer shard merges (shard 0: `head`)."""
+    return f"jobs/{job}/head" if not shard else f"jobs/{job}/head-s{int(shard):02d}"
+
+
+def head_keys(job, shards: int = 1) -> list[str]:
+    return [head_key(job, k) for k in range(max(1, int(shards)))]
 
 
 def contrib_prefix(job) -> str:
@@ -106,8 +113,9 @@ def parse_learner_ckpt_incarnation(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def syncer_state_key(job, commit: int, epoch: int = 0) -> str:
-    return f"jobs/{job}/syncer/s{commit:08d}-e{int(epoch):04d}"
+def syncer_state_key(job, commit: int, epoch: int = 0, shard: int = 0) -> str:
+    suffix = f"-k{int(shard):02d}" if shard else ""
+    return f"jobs/{job}/syncer/s{commit:08d}-e{int(epoch):04d}{suffix}"
 
 
 def checkpoint_key(job, version: int, kind: str) -> str:

@@ -78,8 +78,10 @@ class LearnerLoop:
     def __init__(self, learner, store, *, job, index: int, incarnation: int, host: Host,
                  compression: str = "none", heartbeat_interval: float = 1.0, poll_interval: float = 0.25,
                  checkpoint_interval: float = 2.0, speed_factor: float = 1.0, final_wait: float = 30.0,
-                 decode_global: Callable[[bytes], Any] | None = None, clock=time.monotonic):
+                 decode_global: Callable[[bytes], Any] | None = None, clock=time.monotonic,
+                 syncer_shards: int = 1):
         self.learner = learner
+        self.syncer_shards = max(1, int(syncer_shards))
         self.store = store
         self.job = job
         self.index = index
@@ -175,10 +177,10 @@ class LearnerLoop:
     # ------------------------------------------------------------------ globals
     def poll_globals(self, force: bool = False) -> int:
         """Adopt committed global fragments newer than what this learner has; returns how many."""
-        try:
-            head, epochs = keys.parse_head(self.store.get(keys.head_key(self.job)))
-        except Exception:
+        read = self._read_head()
+        if read is None:
             return 0
+        head, epochs = read
         self.head_epochs = epochs
         adopted = 0
         have = getattr(self.learner, "adopted_versions", {}) or {}
@@ -196,6 +198,22 @@ class LearnerLoop:
             self.staleness = max((self.head_versions.get(p, 0) - have.get(p, 0)) for p in self.head_versions)
         self._unblock_refused(head)
         return adopted
+
+    def _read_head(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """Committed versions of every fragment: one head per syncer shard (each holds its own
+        fragments; a shard that has not written one yet contributes nothing). None: no head."""
+        head: dict[int, int] = {}
+        epochs: dict[int, int] = {}
+        found = False
+        for key in keys.head_keys(self.job, self.syncer_shards):
+            try:
+                h, e = keys.parse_head(self.store.get(key))
+            except Exception:
+                continue
+            found = True
+            head.update(h)
+            epochs.update(e)
+        return (head, epochs) if found else None
 
     def _fetch_global(self, p: int, v: int, epoch: int | None, have: int):
         """The compressed update when this learner holds v - 1 and the job publishes updates,
