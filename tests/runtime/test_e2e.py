@@ -193,9 +193,9 @@ def test_synchronous_diloco_and_elastic_growth_on_real_processes(stack, owner):
     assert job.final_val_loss < job.initial_val_loss - 0.1
 
     grow, _ = submit_job(owner, {**TINY, "name": "elastic", "steps": 400, "max_learners": 3})
-    stack.wait_for(lambda: Learner.objects.filter(job=grow).count() == 3, timeout=90, what="a joiner")
-    joined = Event.objects.filter(job=grow, kind=Event.Kind.JOINED).first()
-    assert joined is not None and joined.payload["learner"] == 2
+    joins = Event.objects.filter(job=grow, kind=Event.Kind.JOINED)
+    stack.wait_for(joins.exists, timeout=90, what="a learner joining")  # the event follows the row
+    assert [e.payload["learner"] for e in joins] == [2] and Learner.objects.filter(job=grow).count() == 3
     stack.wait_for(lambda: Job.objects.get(pk=grow.pk).status in st.TERMINAL, timeout=180, what="elastic end")
     grow.refresh_from_db()
     assert grow.status == st.COMPLETED, grow.status_reason
