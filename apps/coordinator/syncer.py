@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 from django.db import close_old_connections, transaction
-from django.db.models import F, Sum, Value
+from django.db.models import F, Q, Sum, Value
 from django.db.models.functions import Greatest
 
 from apps.jobs import state as st
@@ -685,7 +685,8 @@ def run_syncer_body(job_id: int, epoch: int, worker: str, shard: int = 0) -> str
         return "fenced"
     SyncerLease.objects.filter(job_id=job_id, shard=shard, epoch=epoch).update(
         started_at=now(), last_heartbeat=now(), worker=worker)
-    Incident.objects.filter(job_id=job_id, kind="syncer_lost", healed_at__isnull=True).update(healed_at=now())
+    Incident.objects.filter(Q(details__shard=shard) | ~Q(details__has_key="shard"), job_id=job_id,
+                            kind="syncer_lost", healed_at__isnull=True).update(healed_at=now())
     run = SyncerRun(job_id, epoch, worker, shard=shard)
     try:
         return run.run()

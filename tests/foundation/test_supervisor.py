@@ -117,3 +117,18 @@ def test_say_prefix():
     Supervisor(tty, colour=True).say("web", "listening\n", "36")
     assert plain.getvalue() == "web         | listening\n"
     assert tty.getvalue() == "\x1b[36mweb         |\x1b[0m listening\n"
+
+
+def test_stop_clears_the_group_of_a_child_that_already_died():
+    """A worker whose main process died before the stop (a crash) leaves its pool children in
+    its process group; stopping the demo must not leave them running."""
+    out = io.StringIO()
+    sup = Supervisor(out)
+    a = sup.add("pool-a", [sys.executable, "-c", CHILD, "a"], dict(os.environ))
+    sup.start(a)
+    ga = grandchild(out, "pool-a")
+    os.kill(a.popen.pid, 9)  # only the main process: its grandchild lives on in the group
+    a.popen.wait(10)
+    assert alive(ga)
+    sup.stop_all(grace_s=1)
+    assert dies(ga), ga

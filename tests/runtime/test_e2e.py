@@ -9,7 +9,7 @@ import pytest
 
 from apps.coordinator.models import SyncerLease
 from apps.jobs import state as st
-from apps.jobs.models import Checkpoint, Event, Job, Learner, MetricPoint, OuterStep
+from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, MetricPoint, OuterStep
 from apps.jobs.services import submit_job
 from trainer.transport import open_store
 
@@ -225,6 +225,9 @@ def test_syncer_sharded_by_fragment_survives_a_coordinator_kill(stack, owner):
           f"val loss {job.initial_val_loss:.3f} -> {job.final_val_loss:.3f}")
     assert set(leases) == {0, 1} and all(lease.finished for lease in leases.values())
     assert all(lease.restarts >= 1 for lease in leases.values())  # both came back after the kill
+    incidents = Incident.objects.filter(job=job, kind="syncer_lost")
+    assert {i.details["shard"] for i in incidents} == {0, 1}
+    assert all(i.healed_at is not None for i in incidents)
     assert leases[0].commits + leases[1].commits == job.outer_steps
     for p in (0, 1):
         versions = sorted(OuterStep.objects.filter(job=job, fragment=p).values_list("version", flat=True))

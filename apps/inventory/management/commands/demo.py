@@ -156,10 +156,13 @@ class Supervisor:
                 if child.alive():
                     self.say(child.name, f"still running, sending {signal.Signals(sig).name}", child.colour)
                     self.signal_group(child, sig)
-        for child in live:
+        for child in self.children.values():
+            if child.popen is None:
+                continue
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.popen.wait(5)
-            # pool children of a worker may outlive their parent: clear the group
+            # pool children of a worker may outlive their parent, also one that died before the
+            # stop (a crash, or PDEATHSIG when the thread that started it ended): clear every group
             self.signal_group(child, signal.SIGKILL)
             if child.pump is not None:
                 child.pump.join(timeout=2)
