@@ -6,6 +6,7 @@ from django.contrib import admin
 from django.urls import reverse
 from django.utils import timezone
 
+from apps.coordinator.models import LearnerRuntime, SyncerLease
 from apps.inventory.models import Node, Pool, PoolToken
 from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, MetricPoint, OuterStep
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.django_db
 OUR_MODELS = [
     "inventory.acceleratortype", "inventory.pool", "inventory.node", "inventory.pooltoken",
     "jobs.job", "jobs.learner", "jobs.outerstep", "jobs.event", "jobs.incident", "jobs.checkpoint",
-    "jobs.metricpoint",
+    "jobs.metricpoint", "coordinator.syncerlease", "coordinator.learnerruntime",
 ]
 
 
@@ -33,6 +34,9 @@ def records(fleet, alice):
     Incident.objects.create(job=job, learner=lr, pool=pool, failed_at=timezone.now())
     Checkpoint.objects.create(job=job, version=1, blob_uri="file:///x", size_bytes=10, sha256="ab" * 32)
     PoolToken.issue(pool)
+    SyncerLease.objects.create(job=job, shard=0, epoch=2, worker="coordinator@h", commits=7)
+    SyncerLease.objects.create(job=job, shard=1, epoch=1, worker="coordinator-1@h", commits=6)
+    LearnerRuntime.objects.create(learner=lr, worker="iad-h100@h1", resume_point={"tokens": 0})
     return {"job": job, "learner": lr}
 
 
@@ -157,7 +161,8 @@ def test_job_actions_go_through_the_state_machine(client, staff_user, records):
     assert job.status == st.CANCELLED and "olga" in job.status_reason
 
 
-def test_job_page_shows_goodput_and_learners(client, staff_user, records):
+def test_job_page_shows_goodput_learners_and_syncer_shards(client, staff_user, records):
     client.force_login(staff_user)
     body = client.get(reverse("admin:jobs_job_change", args=[records["job"].pk])).content.decode()
     assert "88.0%" in body and "iad-h100" in body
+    assert "coordinator@h" in body and "coordinator-1@h" in body  # one row per syncer shard
