@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.validators import UniqueValidator
 
@@ -138,13 +139,41 @@ class JobSerializer(serializers.ModelSerializer):
         return round(min(1.0, self.get_tokens_done(job) / total), 4) if total else 0.0
 
 
+class SyncerShardSerializer(serializers.Serializer):
+    shard = serializers.IntegerField()
+    epoch = serializers.IntegerField(help_text="fencing epoch: how many times this shard was started")
+    running = serializers.BooleanField(help_text="a worker holds the lease (not stopped, not finished)")
+    last_heartbeat = serializers.DateTimeField(allow_null=True)
+    commits = serializers.IntegerField(help_text="outer steps this shard committed")
+    restarts = serializers.IntegerField(help_text="restarts after a missed heartbeat")
+    finished = serializers.BooleanField()
+    fragments = serializers.ListField(child=serializers.IntegerField(), help_text="fragments it merges")
+
+
 class JobDetailSerializer(JobSerializer):
     latest = serializers.SerializerMethodField(help_text="latest job-level value of each metric")
     learner_counts = serializers.SerializerMethodField()
+    syncer = serializers.SerializerMethodField(help_text="one entry per syncer shard (syncer_shards)")
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "latest", "learner_counts"]
+        fields = [*JobSerializer.Meta.fields, "latest", "learner_counts", "syncer"]
         read_only_fields = fields
+
+    @extend_schema_field(SyncerShardSerializer(many=True))
+    def get_syncer(self, job) -> list[dict]:
+        from apps.coordinator.models import SyncerLease
+
+        spec = job.spec or {}
+        shards = max(1, int(spec.get("syncer_shards") or 1))
+        fragments = max(1, int(spec.get("fragments") or 1))
+        rows = [
+            {"shard": lease.shard, "epoch": lease.epoch, "running": bool(lease.worker) and not lease.finished,
+             "last_heartbeat": lease.last_heartbeat, "commits": lease.commits, "restarts": lease.restarts,
+             "finished": lease.finished,
+             "fragments": [p for p in range(fragments) if p % shards == lease.shard]}
+            for lease in SyncerLease.objects.filter(job=job).order_by("shard")
+        ]
+        return SyncerShardSerializer(rows, many=True).data
 
     def get_latest(self, job) -> dict[str, float]:
         from .metrics import latest_values

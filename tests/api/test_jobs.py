@@ -137,6 +137,7 @@ def test_detail_has_latest_values_and_learner_counts(as_alice, alice_job):
     body = as_alice.get(f"/api/v1/jobs/{alice_job.pk}/").json()
     assert body["latest"] == {"train_loss": 2.5, "val_loss": 2.5}
     assert body["learner_counts"] == {"running": 2}
+    assert body["syncer"] == []  # no syncer started yet
     assert body["tokens_done"] == 3000 and body["tokens_computed"] == 0  # live, from the learners
     assert body["progress"] == round(3000 / body["total_tokens"], 4)
     listed = as_alice.get("/api/v1/jobs/").json()["results"]
@@ -168,3 +169,16 @@ def test_dry_run_reports_what_does_not_fit(as_alice, pool_a):
     assert r.json()["placement"]["problems"][0] == "pool 'nowhere' does not exist"
     r = as_alice.post("/api/v1/jobs/dry-run/", {"spec": {**SPEC, "steps": -5}}, format="json")
     assert r.status_code == 400 and "spec.steps" in r.json()["errors"]
+
+
+def test_detail_lists_the_syncer_shards(as_alice, alice_job):
+    from apps.coordinator.models import SyncerLease
+
+    alice_job.spec = {**alice_job.spec, "fragments": 4, "syncer_shards": 2}
+    alice_job.save(update_fields=["spec"])
+    SyncerLease.objects.create(job=alice_job, shard=1, epoch=2, worker="coordinator-1@h", commits=5,
+                               restarts=1)
+    SyncerLease.objects.create(job=alice_job, shard=0, epoch=1, worker="", commits=6, finished=True)
+    body = as_alice.get(f"/api/v1/jobs/{alice_job.pk}/").json()
+    rows = [(s["shard"], s["fragments"], s["commits"], s["running"], s["restarts"]) for s in body["syncer"]]
+    assert rows == [(0, [0, 2], 6, False, 0), (1, [1, 3], 5, True, 1)]
