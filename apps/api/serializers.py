@@ -163,16 +163,7 @@ class JobDetailSerializer(JobSerializer):
     def get_syncer(self, job) -> list[dict]:
         from apps.coordinator.models import SyncerLease
 
-        spec = job.spec or {}
-        shards = max(1, int(spec.get("syncer_shards") or 1))
-        fragments = max(1, int(spec.get("fragments") or 1))
-        rows = [
-            {"shard": lease.shard, "epoch": lease.epoch, "running": bool(lease.worker) and not lease.finished,
-             "last_heartbeat": lease.last_heartbeat, "commits": lease.commits, "restarts": lease.restarts,
-             "finished": lease.finished,
-             "fragments": [p for p in range(fragments) if p % shards == lease.shard]}
-            for lease in SyncerLease.objects.filter(job=job).order_by("shard")
-        ]
+        rows = SyncerLease.shards_of(job)
         return SyncerShardSerializer(rows, many=True).data
 
     def get_latest(self, job) -> dict[str, float]:

@@ -34,6 +34,20 @@ class SyncerLease(models.Model):
         shard = f" shard {self.shard}" if self.shard else ""
         return f"syncer{shard} of job {self.job_id} (epoch {self.epoch})"
 
+    @classmethod
+    def shards_of(cls, job) -> list[dict]:
+        """One row per syncer shard of a job, for the API and the job page."""
+        spec = job.spec or {}
+        shards = max(1, int(spec.get("syncer_shards") or 1))
+        fragments = max(1, int(spec.get("fragments") or 1))
+        return [
+            {"shard": lease.shard, "epoch": lease.epoch, "running": bool(lease.worker) and not lease.finished,
+             "last_heartbeat": lease.last_heartbeat, "commits": lease.commits, "restarts": lease.restarts,
+             "finished": lease.finished,
+             "fragments": [p for p in range(fragments) if p % shards == lease.shard]}
+            for lease in cls.objects.filter(job=job).order_by("shard")
+        ]
+
 
 class LearnerRuntime(models.Model):
     """Runtime facts of a learner the jobs app does not model: where it runs, where it resumes."""

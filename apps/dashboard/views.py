@@ -17,6 +17,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from apps.coordinator.models import SyncerLease
 from apps.inventory.models import Node, Pool
 from apps.jobs import services
 from apps.jobs import state as st
@@ -302,6 +303,7 @@ def job_detail(request, pk):
         "health_steps": health_steps,
         "timeline": _timeline(job, outer_steps),
         "checkpoints": list(job.checkpoints.order_by("-version")[:50]),
+        "syncer_shards": SyncerLease.shards_of(job),
         "chart_data": chart_data,
         "pools_here": pools_here,
         "goodput": goodput,

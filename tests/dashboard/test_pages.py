@@ -9,6 +9,7 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
+from apps.coordinator.models import SyncerLease
 from apps.dashboard.data import downsample
 from apps.dashboard.seeding import seed_jobs
 from apps.jobs.models import Checkpoint, Incident, MetricPoint, OuterStep
@@ -80,6 +81,11 @@ def test_job_page_contents(client, alice, job_factory):
                             failed_at=timezone.now() - timedelta(seconds=3), detected_at=timezone.now())
     Checkpoint.objects.create(job=job, version=7, blob_uri="memory://x/7", size_bytes=2048, sha256="ab" * 32)
     client.force_login(alice)
+    assert "No syncer started yet." in client.get(f"/jobs/{job.pk}/").content.decode()
+    job.spec = {**job.spec, "fragments": 2, "syncer_shards": 2}
+    job.save(update_fields=["spec"])
+    SyncerLease.objects.create(job=job, shard=0, epoch=1, worker="coordinator@h", commits=4)
+    SyncerLease.objects.create(job=job, shard=1, epoch=3, worker="", commits=3, restarts=2)
     resp = client.get(f"/jobs/{job.pk}/")
     body = resp.content.decode()
     assert resp.status_code == 200
@@ -92,6 +98,8 @@ def test_job_page_contents(client, alice, job_factory):
     health = {h["learner"].index: h for h in resp.context["health"]}
     assert health[0]["healthy"] and not health[1]["healthy"]
     assert 'data-confirm="Cancel job' in body and 'data-confirm="Pause job' in body
+    shards = body.split('id="syncer-shards"')[1].split("</table>")[0]
+    assert [row.count("running") + 2 * row.count("stopped") for row in shards.split("<tr>")[2:]] == [1, 2]
 
 
 @pytest.mark.django_db
