@@ -25,6 +25,7 @@ between send and adopt) this is classic DiLoCo: local <- global. The inner AdamW
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -277,7 +278,8 @@ class Learner:
             "index": self.index,
             "incarnation": self.incarnation,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            # torch hands out the live moments; a checkpoint must not move on with training
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "stream": self.stream.state_dict(),
             "adopted_versions": dict(self.adopted_versions),
             "base": {p: {n: t.cpu().clone() for n, t in d.items()} for p, d in self.base.items()},
@@ -303,7 +305,9 @@ class Learner:
         if len(state["base"]) != len(self.fragments):
             raise ValueError("state has a different number of fragments")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # torch keeps the given tensors as the live state: copy, so that restoring one state into
+        # several learners (or training on after a restore) leaves the state and the others alone
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.stream.load_state_dict(state["stream"])
         self.adopted_versions = {int(p): int(v) for p, v in state["adopted_versions"].items()}
         self.base = {

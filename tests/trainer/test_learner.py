@@ -184,3 +184,27 @@ def test_global_update_applies_only_to_the_version_it_was_made_from(learner):
     for n in names:
         assert torch.equal(lrn.base[0][n], before[n] + 0.5)
     assert lrn.adopted_versions[0] == 1
+
+
+def test_state_dict_is_a_snapshot_and_restores_do_not_share_it(learner):
+    """A state held in memory (the simulator's checkpoints) must not move with training:
+    torch's Optimizer.state_dict() returns the live moments and load_state_dict keeps the
+    given tensors, so without copies two learners restored from one state train on one
+    shared AdamW state and the state itself drifts."""
+    a = learner(inner_steps=4, steps=12)
+    a.step()
+    state = a.state_dict()
+    moments = [t.clone() for s in state["optimizer"]["state"].values() for t in s.values()]
+    a.step()
+    b, c = learner(inner_steps=4, steps=12), learner(inner_steps=4, steps=12)
+    b.load_state_dict(state)
+    c.load_state_dict(state)
+    b.step()
+    after = [t for s in state["optimizer"]["state"].values() for t in s.values()]
+    assert all(torch.equal(x, y) for x, y in zip(moments, after, strict=True))
+    for pb, pc in zip(b.model.parameters(), c.model.parameters(), strict=True):
+        sb, sc = b.optimizer.state[pb], c.optimizer.state[pc]
+        assert sb["exp_avg"].data_ptr() != sc["exp_avg"].data_ptr()
+    assert c.step().loss == b.last_loss  # c trains from the checkpoint, not from b's moved state
+    for n in b.params:
+        assert torch.equal(b.params[n], c.params[n])

@@ -818,11 +818,8 @@ def _declared_fragment_params(declared: float, model, cfg: TrainConfig) -> list[
 
 
 def _snapshot(learner) -> dict:
-    """A learner checkpoint in memory (state_dict clones the tensors; the optimizer state it
-    returns is live, so that part is copied)."""
-    st = learner.state_dict()
-    st["optimizer"] = copy.deepcopy(st["optimizer"])
-    return st
+    """A learner checkpoint in memory (`state_dict` copies every tensor, the optimizer's too)."""
+    return learner.state_dict()
 
 
 def _pool_infos(run, t: float) -> tuple[list, dict[str, int]]:
