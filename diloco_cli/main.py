@@ -263,7 +263,7 @@ def jobs_submit(
     wait: Annotated[bool, typer.Option("--wait", help="follow the job until it ends")] = False,
     timeout: Annotated[float | None, typer.Option("--timeout", min=0.1, help="seconds to --wait")] = None,
     poll: Annotated[float, typer.Option("--poll", min=0.1, help="seconds between status polls")] = 1.0,
-    team: Annotated[str, typer.Option("--team")] = "",
+    team: Annotated[str, typer.Option("--team", help="your team: its members see the job too")] = "",
     overrides: Annotated[list[str] | None, typer.Option("--set", help="FIELD=VALUE over the file")] = None,
     idempotency_key: Annotated[str | None, typer.Option(
         "--idempotency-key", envvar="DILOCO_IDEMPOTENCY_KEY",

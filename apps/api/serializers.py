@@ -7,6 +7,7 @@ from rest_framework import serializers
 from rest_framework.validators import UniqueValidator
 
 from apps.inventory.models import AcceleratorType, Node, Pool
+from apps.jobs.access import team_error
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
 
 from .models import ApiToken
@@ -94,7 +95,16 @@ class JobSubmitSerializer(StrictSerializerMixin, serializers.Serializer):
     """Body of POST /jobs/ and /jobs/dry-run/: the spec (trainer.spec.JobSpec) and an optional team."""
 
     spec = serializers.JSONField(help_text="a job spec, see trainer/spec.py (JobSpec)")
-    team = serializers.RegexField(r"^[\w .-]*$", max_length=60, required=False, allow_blank=True, default="")
+    team = serializers.RegexField(
+        r"^[\w .-]*$", max_length=60, required=False, allow_blank=True, default="",
+        help_text="a team you belong to (a group staff create in the admin): its members see the job too")
+
+    def validate_team(self, value):
+        request = self.context.get("request")
+        error = team_error(request.user, value) if request is not None else None
+        if error:
+            raise serializers.ValidationError(error)
+        return value
 
     def validate_spec(self, value):
         if not isinstance(value, dict):

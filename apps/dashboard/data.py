@@ -14,6 +14,7 @@ from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
 from apps.inventory.models import Node, Pool
+from apps.jobs import access
 from apps.jobs import state as st
 from apps.jobs.models import Job, Learner, MetricPoint
 
@@ -23,9 +24,8 @@ CHART_SERIES = ("train_loss", "val_loss", "tokens_per_s", "goodput", "bytes_sent
 
 
 def visible_jobs(user) -> QuerySet[Job]:
-    """Staff see every job; everyone else only their own."""
-    qs = Job.objects.all()
-    return qs if user.is_staff else qs.filter(owner=user)
+    """Staff see every job; everyone else their own and their teams' (apps.jobs.access)."""
+    return access.visible_jobs(user)
 
 
 def _ends_sql(job_ids: list[int], names: list[str], recent: int | None) -> tuple[str, list]:

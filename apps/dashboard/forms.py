@@ -13,12 +13,13 @@ from annotated_types import Ge, Gt, Le, Lt, MaxLen
 from django import forms
 
 from apps.inventory.models import Pool
+from apps.jobs.access import team_names
 from apps.jobs.spec import SpecError, validate_spec
 from trainer.spec import JobSpec
 
 # Field groups shown as fieldsets; a schema field missing here lands in "Other".
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("Job", ("name", "strategy", "model", "dataset")),
+    ("Job", ("name", "team", "strategy", "model", "dataset")),
     ("Learners", ("learners", "min_learners", "max_learners", "quorum")),
     ("Schedule", ("steps", "max_tokens", "inner_steps", "fragments", "warmup_steps",
                   "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),
@@ -85,11 +86,16 @@ def _field_for(name: str, info, pools: list[Pool]) -> forms.Field:
 class JobSpecForm(forms.Form):
     """Fields generated from JobSpec; clean() runs the shared validation."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, user=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.pools = list(Pool.objects.select_related("accelerator").order_by("slug"))
         for name, info in JobSpec.model_fields.items():
             self.fields[name] = _field_for(name, info, self.pools)
+        teams = team_names(user) if user is not None else []
+        if teams:  # not part of the spec: who besides the owner sees the job
+            self.fields["team"] = forms.ChoiceField(
+                choices=[("", "none (only you)")] + [(t, t) for t in sorted(teams)], required=False,
+                label="Team", help_text="members of this team see and act on the job too")
         self.spec: JobSpec | None = None
 
     def fieldsets(self) -> list[tuple[str, list[forms.BoundField]]]:
@@ -108,6 +114,8 @@ class JobSpecForm(forms.Form):
         """The raw values as the schema expects them (strings for numbers: pydantic parses)."""
         data: dict[str, Any] = {}
         for name, field in self.fields.items():
+            if name not in JobSpec.model_fields:
+                continue
             value = self.cleaned_data.get(name)
             if isinstance(field, forms.MultipleChoiceField):
                 data[name] = list(value or [])

@@ -19,7 +19,7 @@ from django.views.decorators.http import require_POST
 
 from apps.coordinator.models import SyncerLease
 from apps.inventory.models import Node, Pool
-from apps.jobs import services
+from apps.jobs import access, services
 from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, OuterStep
 from apps.jobs.spec import SpecError
@@ -106,8 +106,7 @@ def pool_detail(request, slug):
     learners = Learner.objects.filter(pool=pool).exclude(
         state__in=[Learner.State.DONE, Learner.State.REMOVED, Learner.State.STOPPED]).select_related(
         "job", "node").order_by("job_id", "index")
-    if not request.user.is_staff:
-        learners = learners.filter(job__owner=request.user)
+    learners = learners.filter(access.job_access_q(request.user, "job__"))
     events = Event.objects.filter(pool=pool).order_by("-time")[:50]
     return render(request, "dashboard/pool.html", {
         "pool": pool,
@@ -182,13 +181,14 @@ def job_list(request):
 def job_new(request):
     preview = None
     if request.method == "POST":
-        form = JobSpecForm(request.POST)
+        form = JobSpecForm(request.POST, user=request.user)
         if form.is_valid():
             if request.POST.get("action") == "dry_run":
                 preview = dry_run(form.spec)
             else:
                 try:
-                    job, _ = services.submit_job(request.user, form.spec.model_dump(mode="json"))
+                    job, _ = services.submit_job(request.user, form.spec.model_dump(mode="json"),
+                                                 team=form.cleaned_data.get("team", ""))
                 except SpecError as exc:  # validated twice: the service is the authority
                     for field, msgs in exc.errors.items():
                         for m in msgs:
@@ -197,7 +197,7 @@ def job_new(request):
                     messages.success(request, f"Job #{job.pk} submitted.")
                     return redirect("dashboard:job", pk=job.pk)
     else:
-        form = JobSpecForm()
+        form = JobSpecForm(user=request.user)
     # Invalid input re-renders with 200 and the errors inline (as Django forms do): a 4xx
     # document would be logged by browsers as a failed resource load.
     return render(request, "dashboard/job_new.html", {"form": form, "preview": preview, "nav": "new"})

@@ -11,6 +11,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from . import state as st
+from .access import team_error
 from .models import Event, Job
 from .spec import validate_spec
 
@@ -37,12 +38,15 @@ def _kick_coordinator(job_id: int) -> None:
 
 
 def submit_job(owner, spec_data: Any, idempotency_key: str | None = None, team: str = "") -> tuple[Job, bool]:
-    """Validate and create a job; returns (job, created). A repeated key returns the first job."""
+    """Validate and create a job; returns (job, created). A repeated key returns the first job.
+    A team must be one the owner belongs to (callers validate it first and say so per field)."""
     if idempotency_key:
         existing = Job.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
         if existing:
             return existing, False
     spec = validate_spec(spec_data)
+    if error := team_error(owner, team):
+        raise PermissionError(error)
     try:
         with transaction.atomic():
             job = Job.objects.create(

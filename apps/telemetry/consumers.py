@@ -404,7 +404,7 @@ async def _pool_id(slug: str) -> int | None:
 # -- dashboards -------------------------------------------------------------------------------
 
 class JobConsumer(BaseSocket):
-    """`/ws/jobs/<id>/`: live updates of one job for its owner and staff."""
+    """`/ws/jobs/<id>/`: live updates of one job for its owner, its team and staff."""
 
     async def connect(self) -> None:
         await self.accept()
@@ -437,11 +437,10 @@ class JobConsumer(BaseSocket):
 
 
 def _job_snapshot(job_id: int, user) -> list[dict] | None:
+    from apps.jobs.access import visible_jobs
     from apps.jobs.models import Job, Learner
 
-    qs = Job.objects.filter(pk=job_id)
-    if not user.is_staff:
-        qs = qs.filter(owner=user)
+    qs = visible_jobs(user, Job.objects.filter(pk=job_id))
     row = qs.values(*publish.JOB_FIELDS).first()
     if row is None:
         return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.auth.models import Group
 
 from apps.jobs.models import Event, Job
 
@@ -13,6 +14,7 @@ SPEC = {"name": "ci run", "learners": 2, "steps": 20, "inner_steps": 5}
 
 
 def test_submit_creates_a_queued_job(as_alice, alice):
+    alice.groups.add(Group.objects.create(name="ml"))
     r = as_alice.post("/api/v1/jobs/", {"spec": SPEC, "team": "ml"}, format="json")
     assert r.status_code == 201, r.content
     body = r.json()

@@ -90,3 +90,22 @@ async def test_sync_publish_from_inside_the_event_loop(job, alice):
     assert publish.publish_job(job.pk, {"type": "job", "status": "paused"})
     assert await comm.receive_json_from(timeout=2) == {"type": "job", "status": "paused"}
     await comm.disconnect()
+
+
+async def test_teammate_may_watch_a_team_job(job, bob):
+    from django.contrib.auth.models import Group
+
+    @database_sync_to_async
+    def share():
+        team = Group.objects.create(name="vision")
+        job.owner.groups.add(team)
+        bob.groups.add(team)
+        job.team = "vision"
+        job.save(update_fields=["team"])
+
+    comm, ok, _ = await browser(f"/ws/jobs/{job.pk}/", user=bob)
+    assert (await expect_close(comm))[0] == 4403  # not yet shared
+    await share()
+    comm, ok, _ = await browser(f"/ws/jobs/{job.pk}/", user=bob)
+    assert ok and (await comm.receive_json_from())["id"] == job.pk
+    await comm.disconnect()

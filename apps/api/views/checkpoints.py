@@ -11,6 +11,7 @@ from rest_framework import viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import APIException, NotFound
 
+from apps.jobs import access
 from apps.jobs.models import Checkpoint
 
 from .. import serializers as s
@@ -83,8 +84,7 @@ class CheckpointViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
 
     def get_queryset(self):
         qs = Checkpoint.objects.select_related("job")
-        if not self.request.user.is_staff:
-            qs = qs.filter(job__owner=self.request.user)
+        qs = qs.filter(access.job_access_q(self.request.user, "job__"))
         job = self.request.query_params.get("job")
         if self.action == "list" and job:
             qs = qs.filter(job_id=int(job)) if job.isdigit() and len(job) <= 18 else qs.none()

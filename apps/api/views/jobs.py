@@ -11,7 +11,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
-from apps.jobs import services
+from apps.jobs import access, services
 from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
 from apps.jobs.spec import SpecError, validate_spec
@@ -34,7 +34,7 @@ ERRORS = {
 
 def visible_jobs(user):
     qs = Job.objects.select_related("owner").annotate(learner_tokens=Sum("learners__tokens"))
-    return qs if user.is_staff else qs.filter(owner=user)
+    return access.visible_jobs(user, qs)
 
 
 def _spec_error(exc: SpecError) -> SpecError:
@@ -53,7 +53,7 @@ def idempotency_key(request) -> str | None:
 
 class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                  viewsets.GenericViewSet):
-    """Training jobs. Owners see and act on their own jobs, staff on all; others get 404."""
+    """Training jobs. Owners and their team see and act on a job, staff on all; others get 404."""
 
     permission_classes = [IsPerson]
     pagination_class = BoundedLimitOffsetPagination
@@ -110,7 +110,7 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
     )
     def create(self, request, *args, **kwargs):
         """Submit a job. With an `Idempotency-Key`, a retry returns the job the first call created (200)."""
-        ser = s.JobSubmitSerializer(data=request.data)
+        ser = s.JobSubmitSerializer(data=request.data, context={"request": request})
         ser.is_valid(raise_exception=True)
         key = idempotency_key(request)
         try:
@@ -142,7 +142,7 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
         """Validate a spec and preview its placement on today's fleet; nothing is created."""
         from ..placement import preview
 
-        ser = s.JobSubmitSerializer(data=request.data)
+        ser = s.JobSubmitSerializer(data=request.data, context={"request": request})
         ser.is_valid(raise_exception=True)
         try:
             spec = validate_spec(ser.validated_data["spec"])
@@ -265,7 +265,7 @@ class EventViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
     def get_queryset(self):
         qs = Event.objects.all()
         if not self.request.user.is_staff:
-            qs = qs.filter(Q(job__isnull=True) | Q(job__owner=self.request.user))
+            qs = qs.filter(Q(job__isnull=True) | access.job_access_q(self.request.user, "job__"))
         return qs.select_related("pool")
 
     def filter_queryset(self, queryset):
@@ -289,7 +289,7 @@ class IncidentViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
     def get_queryset(self):
         qs = Incident.objects.select_related("learner", "pool")
         if not self.request.user.is_staff:
-            qs = qs.filter(Q(job__isnull=True) | Q(job__owner=self.request.user))
+            qs = qs.filter(Q(job__isnull=True) | access.job_access_q(self.request.user, "job__"))
         return qs
 
     def filter_queryset(self, queryset):
