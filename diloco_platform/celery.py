@@ -5,6 +5,8 @@ import os
 
 from celery import Celery
 
+from .log_filters import install as quiet_housekeeping_logs
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "diloco_platform.settings")
 
 app = Celery("diloco_platform")
@@ -13,6 +15,7 @@ app.conf.task_routes = {
     "apps.coordinator.tasks.*": {"queue": "coordinator"},
 }
 app.autodiscover_tasks()
+quiet_housekeeping_logs()
 # The runtime's periodic ticks (apps.coordinator): missed heartbeats -> recovery within seconds.
 app.conf.beat_schedule = {
     "coordinator-watchdog": {"task": "apps.coordinator.tasks.watchdog", "schedule": 1.0,

@@ -124,7 +124,7 @@ if REDIS_URL:
     }
 else:
     # Embedded default: a broker that needs no server (polls a folder, ~1 s latency).
-    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_URL = "filesystem://localhost//"  # a host, or kombu warns at every connection
     CELERY_BROKER_TRANSPORT = "diloco_platform.fs_broker:Transport"  # atomic message writes
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "out"),

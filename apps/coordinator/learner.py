@@ -253,8 +253,8 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
     if delta > 0:
         LearnerRuntime.objects.filter(learner_id=learner.pk).update(
             tokens_computed=F("tokens_computed") + delta)
-    log.info("learner %s.%s of job %s: %s (%s) %d steps %.1fs", index, incarnation, job_id, result.outcome,
-             result.reason, result.steps, result.seconds)
+    log.info("learner %s.%s of job %s: %s%s, %d steps in %.1fs", index, incarnation, job_id, result.outcome,
+             f" ({result.reason})" if result.reason else "", result.steps, result.seconds)
     if result.outcome != "fenced":
         from apps.jobs.models import Event
 
