@@ -7,6 +7,10 @@
    fp32 pseudo-gradients of a whole model, in GB/s of pseudo-gradient read, against a plain
    `torch.add_` of the same tensors into an accumulator (the memory-bandwidth limit), plus
    `Syncer.submit` (validation: shapes, finiteness, checksum) and the wire encode/decode.
+
+The learner part runs on any device (`--device cuda --bf16` on a GPU machine: tokens/s of the
+learner against the bare loop, both under the same bf16 autocast); the syncer part on the CPU,
+where the coordinator runs it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from trainer.compression import decode, encode
 from trainer.config import TrainConfig
 from trainer.data import TokenStream
 from trainer.learner import Learner, load_corpus, make_optimizer
-from trainer.models import build_model
+from trainer.models import autocast, build_model, pick_device
 from trainer.protocol import Contribution
 from trainer.syncer import Syncer
 
@@ -45,6 +49,8 @@ def bench_learner(
     inner_steps: int,
     fragments: int,
     cache_dir: str | None,
+    device: str = "cpu",
+    bf16: bool = False,
 ) -> dict:
     cfg = TrainConfig(
         model=model,
@@ -57,26 +63,35 @@ def bench_learner(
         steps=10**6,
         warmup_steps=1,
         cache_dir=cache_dir,
+        device=device,
+        bf16=bf16,
+        threads=None,
     )
+    dev = pick_device(device)
     corpus = load_corpus(cfg)
-    net = build_model(model, seq_len, 0, corpus.vocab_size)
+    net = build_model(model, seq_len, 0, corpus.vocab_size).to(dev)
     net.train()
-    opt = make_optimizer(net, cfg, torch.device("cpu"))
+    opt = make_optimizer(net, cfg, dev)
     stream = TokenStream(corpus, 0, 1, batch_size, seq_len, 0)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def bare_step() -> None:
         x, y = stream.next_batch()
-        loss = net.loss(x, y)
+        x, y = x.to(dev), y.to(dev)
+        with autocast(dev, bf16):
+            loss = net.loss(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
 
     learner = Learner(cfg, 0, corpus=corpus, num_learners=1)
 
     def learner_step() -> None:
-        learner.step()
+        learner.step()  # reads the loss back (.item()), so the device is in step afterwards
         learner.due_contributions()
+        sync()
 
     for _ in range(3):
         bare_step()
@@ -87,8 +102,12 @@ def bench_learner(
         ours.append(_median_time(learner_step, 1))
     b, o = statistics.median(bare), statistics.median(ours)
     mean_b, mean_o = statistics.fmean(bare), statistics.fmean(ours)
+    tokens = batch_size * seq_len
     return {
         "model": model,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type,
+        "bf16": bf16,
         "batch_size": batch_size,
         "seq_len": seq_len,
         "inner_steps": inner_steps,
@@ -100,6 +119,8 @@ def bench_learner(
         "learner_ms_mean": mean_o * 1e3,
         "overhead_pct_median": (o - b) / b * 100,
         "overhead_pct_mean": (mean_o - mean_b) / mean_b * 100,
+        "bare_tokens_per_s": tokens / b,
+        "learner_tokens_per_s": tokens / o,
     }
 
 
@@ -199,19 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--device", default="cpu", help="device of the learner bench: cpu, cuda, auto, ...")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast in both learner loops")
+    p.add_argument("--no-syncer", action="store_true", help="only the learner bench")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     learner = bench_learner(
-        a.model, a.batch_size, a.seq_len, a.steps, a.inner_steps, a.fragments, a.cache_dir
+        a.model, a.batch_size, a.seq_len, a.steps, a.inner_steps, a.fragments, a.cache_dir,
+        device=a.device, bf16=a.bf16,
     )
-    torch.set_num_threads(a.threads or torch.get_num_threads())
-    syncer = bench_syncer(a.syncer_model, a.contributions, a.repeats)
+    where = f"{learner['device_name']}{', bf16 autocast' if a.bf16 else ''}"
     rows = [
         (
             "learner step, bare loop",
             f"{learner['bare_ms_median']:.2f} ms",
-            f"{a.model} b={a.batch_size} T={a.seq_len}",
+            f"{a.model} b={a.batch_size} T={a.seq_len} on {where}",
         ),
         (
             "learner step, Learner.step",
@@ -223,6 +247,29 @@ def main(argv: list[str] | None = None) -> int:
             f"{learner['overhead_pct_median']:+.1f} %",
             f"median; mean {learner['overhead_pct_mean']:+.1f} %",
         ),
+        (
+            "tokens/s bare / Learner",
+            f"{learner['bare_tokens_per_s']:,.0f} / {learner['learner_tokens_per_s']:,.0f}",
+            "",
+        ),
+    ]
+    syncer = None
+    if not a.no_syncer:
+        torch.set_num_threads(a.threads or torch.get_num_threads())
+        syncer = bench_syncer(a.syncer_model, a.contributions, a.repeats)
+        rows += _syncer_rows(syncer, a)
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}  {'value':>16}  notes")
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>16}  {note}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"learner": learner, "syncer": syncer, "threads": a.threads}, fh, indent=2)
+    return 0
+
+
+def _syncer_rows(syncer: dict, a: argparse.Namespace) -> list[tuple[str, str, str]]:
+    return [
         (
             "syncer merge + outer step",
             f"{syncer['merge_gbps']:.2f} GB/s",
@@ -239,14 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("decode none", f"{syncer['decode_none_gbps']:.2f} GB/s", "with validation"),
     ]
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measure':<{width}}  {'value':>16}  notes")
-    for name, value, note in rows:
-        print(f"{name:<{width}}  {value:>16}  {note}")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"learner": learner, "syncer": syncer, "threads": a.threads}, fh, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

@@ -64,3 +64,20 @@ def test_perf_bench_prints_and_writes_json(tmp_path, cache_dir):
     assert "learner overhead" in proc.stdout and "plain torch add_" in proc.stdout
     figures = json.loads(out.read_text())
     assert figures["syncer"]["merge_gbps"] > 0 and figures["learner"]["bare_ms_median"] > 0
+
+
+def test_perf_learner_bench_on_a_device_with_bf16(tmp_path, cache_dir):
+    """The prepared GPU check (bench/gpu_check.sh) runs this with --device cuda; here on the CPU."""
+    out = tmp_path / "perf.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.perf", "--device", "cpu", "--bf16", "--no-syncer", "--steps", "3",
+         "--batch-size", "2", "--seq-len", "16", "--cache-dir", str(cache_dir), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "bf16 autocast" in proc.stdout and "tokens/s bare / Learner" in proc.stdout
+    assert "syncer merge" not in proc.stdout
+    figures = json.loads(out.read_text())
+    learner = figures["learner"]
+    assert figures["syncer"] is None and learner["bf16"] is True and learner["device"] == "cpu"
+    assert learner["bare_tokens_per_s"] > 0 and learner["learner_tokens_per_s"] > 0
