@@ -22,7 +22,10 @@ def test_teammate_sees_and_acts_outsider_gets_404(client, alice, bob, django_use
     shared = job_factory(alice, name="shared-run", team="vision")
     private = job_factory(alice, name="private-run")
     client.force_login(bob)
-    assert client.get(f"/jobs/{shared.pk}/").status_code == 200
+    page = client.get(f"/jobs/{shared.pk}/")
+    assert page.status_code == 200
+    body = page.content.decode()
+    assert '<span id="job-owner">alice</span> · team <span id="job-team">vision</span>' in body
     assert client.get(f"/jobs/{shared.pk}/series.json").status_code == 200
     assert client.get(f"/jobs/{private.pk}/").status_code == 404
     listing = client.get("/jobs/").content
