@@ -230,7 +230,8 @@ def whoami(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False)
     if as_json:
         _print_json(me)
     else:
-        out.print(f"{me['username']}{' (staff)' if me['is_staff'] else ''} at {c.url}")
+        teams = f", teams: {', '.join(me['teams'])}" if me.get("teams") else ""
+        out.print(f"{me['username']}{' (staff)' if me['is_staff'] else ''} at {c.url}{teams}")
 
 
 @app.command()

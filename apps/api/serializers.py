@@ -7,7 +7,7 @@ from rest_framework import serializers
 from rest_framework.validators import UniqueValidator
 
 from apps.inventory.models import AcceleratorType, Node, Pool
-from apps.jobs.access import team_error
+from apps.jobs.access import team_error, team_names
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
 
 from .models import ApiToken
@@ -189,8 +189,9 @@ class JobDetailSerializer(JobSerializer):
 
 
 class LearnerSerializer(serializers.ModelSerializer):
-    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    node = serializers.SlugRelatedField(slug_field="worker_name", read_only=True)
+    # null until placed (pool) or picked up by a worker (node); allow_null puts that in the schema
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
+    node = serializers.SlugRelatedField(slug_field="worker_name", read_only=True, allow_null=True)
 
     class Meta:
         model = Learner
@@ -201,7 +202,7 @@ class LearnerSerializer(serializers.ModelSerializer):
 
 
 class EventSerializer(serializers.ModelSerializer):
-    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
 
     class Meta:
         model = Event
@@ -210,7 +211,7 @@ class EventSerializer(serializers.ModelSerializer):
 
 
 class IncidentSerializer(serializers.ModelSerializer):
-    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
     learner = serializers.IntegerField(source="learner.index", read_only=True, allow_null=True, default=None)
     time_to_detect_s = serializers.FloatField(read_only=True)
     time_to_heal_s = serializers.FloatField(read_only=True, allow_null=True)
@@ -301,10 +302,15 @@ class ApiTokenCreatedSerializer(ApiTokenSerializer):
 
 
 class MeSerializer(serializers.ModelSerializer):
+    teams = serializers.SerializerMethodField(help_text="teams you submit jobs for and whose jobs you see")
+
     class Meta:
         model = get_user_model()
-        fields = ["id", "username", "email", "is_staff"]
+        fields = ["id", "username", "email", "is_staff", "teams"]
         read_only_fields = fields
+
+    def get_teams(self, user) -> list[str]:
+        return sorted(team_names(user))
 
 
 # --- agent ---------------------------------------------------------------------------------

@@ -61,6 +61,14 @@ def test_schema_is_served(client, db):
     assert "drf_spectacular_sidecar/swagger-ui-dist" in page and "cdn." not in page  # works offline
 
 
+def test_nullable_relations_are_nullable_in_the_schema(client, db):
+    """A learner not yet placed has no pool or node, a job's event or incident may name no pool:
+    the schema must allow the nulls the API sends (the fuzzer found `node: null` against it)."""
+    schemas = client.get("/api/schema/?format=json").json()["components"]["schemas"]
+    for name, field in (("Learner", "pool"), ("Learner", "node"), ("Event", "pool"), ("Incident", "pool")):
+        assert schemas[name]["properties"][field].get("nullable") is True, (name, field)
+
+
 def _runner(op, auth: str, max_examples: int = MAX_EXAMPLES):
     @given(case=op.as_strategy())
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,

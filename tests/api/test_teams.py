@@ -75,3 +75,8 @@ def test_teammates_see_and_act_others_do_not(alice, bob, carol, vision, pool_a):
     # leaving the team ends the access
     bob.groups.remove(vision)
     assert as_bob.get(f"/api/v1/jobs/{job.pk}/").status_code == 404
+
+
+def test_me_lists_your_teams(alice, carol, vision):
+    assert client_for(alice).get("/api/v1/auth/me/").json()["teams"] == ["vision"]
+    assert client_for(carol).get("/api/v1/auth/me/").json()["teams"] == []

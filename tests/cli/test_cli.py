@@ -274,3 +274,15 @@ def test_logs_follow_until_the_end_and_pause_resume(cli, alice):
     Job.objects.filter(pk=other.pk).update(status="paused")
     code, body = cli.json("jobs", "resume", other.pk)
     assert code == 0 and body["status"] == "placing"
+
+
+def test_team_submit_and_whoami(cli, alice):
+    from django.contrib.auth.models import Group
+
+    code, body = cli.json("jobs", "submit", EXAMPLE, "--team", "vision", "--dry-run")
+    assert code == 2 and "no team 'vision'" in body["errors"]["team"][0]
+    alice.groups.add(Group.objects.create(name="vision"))
+    r = cli("whoami")
+    assert r.exit_code == 0 and "teams: vision" in r.stdout
+    code, job = cli.json("jobs", "submit", EXAMPLE, "--team", "vision")
+    assert code == 0 and job["team"] == "vision"
