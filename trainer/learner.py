@@ -58,6 +58,17 @@ def inner_lr(config: TrainConfig, step: int) -> float:
     return config.inner_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _cpu_copy(obj):
+    """A copy with every tensor cloned to host memory (the model's state gets the same)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.copy(obj)
+
+
 def load_corpus(config: TrainConfig) -> Corpus:
     return Corpus.load(
         config.dataset,
@@ -279,7 +290,7 @@ class Learner:
             "incarnation": self.incarnation,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             # torch hands out the live moments; a checkpoint must not move on with training
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": _cpu_copy(self.optimizer.state_dict()),
             "stream": self.stream.state_dict(),
             "adopted_versions": dict(self.adopted_versions),
             "base": {p: {n: t.cpu().clone() for n, t in d.items()} for p, d in self.base.items()},
