@@ -70,7 +70,9 @@ def test_teammates_see_and_act_others_do_not(alice, bob, carol, vision, pool_a):
 
     r = as_bob.post(f"/api/v1/jobs/{job.pk}/cancel/")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
-    assert Event.objects.filter(job=job, message__contains="cancelled").exists()
+    # the status reason and the timeline say which teammate did it
+    assert r.json()["status_reason"] == "cancelled by bob through the API"
+    assert Event.objects.filter(job=job, payload__reason="cancelled by bob through the API").exists()
 
     # leaving the team ends the access
     bob.groups.remove(vision)

@@ -151,9 +151,9 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
         return Response({"valid": True, "spec": spec.model_dump(mode="json"),
                          "total_tokens": spec.total_tokens, "placement": preview(spec)})
 
-    def _act(self, fn):
+    def _act(self, fn, verb: str):
         job = self.get_object()
-        fn(job)
+        fn(job, reason=f"{verb} by {self.request.user.get_username()} through the API")
         job.refresh_from_db()
         return Response(s.JobSerializer(job, context=self.get_serializer_context()).data)
 
@@ -161,13 +161,13 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
         """Cancel a job (409 when it already finished)."""
-        return self._act(services.cancel_job)
+        return self._act(services.cancel_job, "cancelled")
 
     @extend_schema(request=None, responses={200: s.JobSerializer, 409: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
     def pause(self, request, pk=None):
         """Pause a running job: learners stop after checkpointing (409 when not running)."""
-        return self._act(services.pause_job)
+        return self._act(services.pause_job, "paused")
 
     @extend_schema(request=None, responses={200: s.JobSerializer, 409: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
@@ -176,7 +176,7 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
         job = self.get_object()
         if job.status != st.PAUSED:
             raise Conflict(f"Only a paused job can be resumed; job {job.pk} is {job.status}.")
-        return self._act(services.resume_job)
+        return self._act(services.resume_job, "resumed")
 
     @extend_schema(responses=s.LearnerSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=None)
