@@ -25,6 +25,22 @@ def bob(django_user_model):
     return django_user_model.objects.create_user("bob", "bob@example.com", "pw-bob-123")
 
 
+@pytest.fixture
+def carol(django_user_model):
+    return django_user_model.objects.create_user("carol", "carol@example.com", "pw-carol-123")
+
+
+@pytest.fixture
+def vision(alice, bob):
+    """A team (a Django group) with alice and bob in it."""
+    from django.contrib.auth.models import Group
+
+    team = Group.objects.create(name="vision")
+    alice.groups.add(team)
+    bob.groups.add(team)
+    return team
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Run the browser tests last.

@@ -14,19 +14,6 @@ pytestmark = pytest.mark.django_db
 SPEC = {"name": "team run", "learners": 2, "steps": 20, "inner_steps": 5}
 
 
-@pytest.fixture
-def vision(alice, bob):
-    team = Group.objects.create(name="vision")
-    alice.groups.add(team)
-    bob.groups.add(team)
-    return team
-
-
-@pytest.fixture
-def carol(django_user_model):
-    return django_user_model.objects.create_user("carol", "carol@example.com", "pw-carol-123")
-
-
 def test_team_must_exist_and_be_yours(as_alice, alice, staff_user, vision):
     Group.objects.create(name="audio")
     missing = as_alice.post("/api/v1/jobs/", {"spec": SPEC, "team": "nope"}, format="json")

@@ -9,16 +9,8 @@ from apps.jobs.models import Job
 from .test_jobs import _form
 
 
-@pytest.fixture
-def vision(alice, bob):
-    team = Group.objects.create(name="vision")
-    alice.groups.add(team)
-    bob.groups.add(team)
-    return team
-
-
 @pytest.mark.django_db
-def test_teammate_sees_and_acts_outsider_gets_404(client, alice, bob, django_user_model, vision, job_factory):
+def test_teammate_sees_and_acts_outsider_gets_404(client, alice, bob, carol, vision, job_factory):
     shared = job_factory(alice, name="shared-run", team="vision")
     private = job_factory(alice, name="private-run")
     client.force_login(bob)
@@ -35,7 +27,6 @@ def test_teammate_sees_and_acts_outsider_gets_404(client, alice, bob, django_use
     shared.refresh_from_db()
     assert shared.status == "cancelled"
 
-    carol = django_user_model.objects.create_user("carol", "carol@example.com", "pw-carol-123")
     client.force_login(carol)
     assert client.get(f"/jobs/{shared.pk}/").status_code == 404
     assert b"shared-run" not in client.get("/jobs/").content
