@@ -59,7 +59,7 @@ def inner_lr(config: TrainConfig, step: int) -> float:
 
 
 def _cpu_copy(obj):
-    """A copy with every tensor cloned to host memory (the model's state gets the same)."""
+    """A copy of nested dicts/lists with every tensor cloned to host memory."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu().clone()
     if isinstance(obj, dict):
@@ -288,16 +288,14 @@ class Learner:
             "version": STATE_VERSION,
             "index": self.index,
             "incarnation": self.incarnation,
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            # torch hands out the live moments; a checkpoint must not move on with training
+            # copies in host memory: torch hands out live tensors (the optimizer's moments too),
+            # and a checkpoint must not move on with training
+            "model": _cpu_copy(self.model.state_dict()),
             "optimizer": _cpu_copy(self.optimizer.state_dict()),
             "stream": self.stream.state_dict(),
             "adopted_versions": dict(self.adopted_versions),
-            "base": {p: {n: t.cpu().clone() for n, t in d.items()} for p, d in self.base.items()},
-            "sent": {
-                p: (None if d is None else {n: t.cpu().clone() for n, t in d.items()})
-                for p, d in self._sent.items()
-            },
+            "base": _cpu_copy(self.base),
+            "sent": _cpu_copy(self._sent),
             "sent_counts": {p: list(v) for p, v in self._sent_counts.items()},
             "since": {p: list(v) for p, v in self._since.items()},
             "inner_steps": self.inner_steps,
