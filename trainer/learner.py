@@ -282,6 +282,31 @@ class Learner:
         self.adopted_versions[p] = g.version
         return True
 
+    @torch.no_grad()
+    def adopt_updates(self, updates: list[GlobalFragment]) -> bool:
+        """Adopt the newest of a chain of updates (`Syncer.global_updates`), the first made from
+        the version this learner holds. They are added in order, as the syncer added them to
+        its published weights, so the result has the same bits; then adopted as one version."""
+        if not updates:
+            return False
+        p = updates[0].fragment
+        if not 0 <= p < len(self.fragments):
+            raise ValueError(f"fragment {p} out of range")
+        held = self.adopted_versions[p]
+        for u in updates:
+            if not u.is_update or u.fragment != p or u.base_version != held:
+                raise ValueError(f"updates of fragment {p} do not form a chain from version "
+                                 f"{self.adopted_versions[p]}")
+            held = u.version
+        names = self.fragments[p]
+        whole = {}
+        for n in names:
+            t = self.base[p][n]
+            for u in updates:
+                t = t + u.tensors[n].to(self.device, dtype=torch.float32)
+            whole[n] = t
+        return self.adopt(GlobalFragment(updates[-1].job, p, updates[-1].version, whole))
+
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {

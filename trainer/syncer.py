@@ -32,8 +32,10 @@ Merge rule for fragment p (see docs/engine.md for the full text):
    encodes the update `params - published` with that compression, adds its decoded form to
    `published` and keeps the bytes (`global_update(p)`): a learner holding version v - 1 adds
    them and holds the same bits; the rounding residual stays in `params - published` and goes
-   out with the next update (error feedback). Learners further behind download the full
-   published fragment.
+   out with the next update (error feedback). The last `UPDATE_HISTORY` updates of a fragment
+   are kept (`global_updates(p, held)`): a learner a few versions behind adds them in order and
+   holds the same bits, which costs less than the full fp32 fragment while the chain is short
+   (int4: up to ~7 updates). Learners further behind download the full published fragment.
 
 Idempotency: every applied key (learner, incarnation, fragment, base_version) is remembered
 (keys that the staleness bound would refuse anyway are pruned), and `state_dict()` carries
@@ -60,6 +62,9 @@ from trainer.fragments import make_fragments
 from trainer.protocol import Contribution, GlobalFragment
 
 STATE_VERSION = 1
+# compressed updates kept per fragment for learners a few versions behind (an int4 update is ~1/7
+# of the fp32 fragment, so a longer chain would cost more than the fragment itself)
+UPDATE_HISTORY = 8
 EMBEDDING_HINTS = ("wte", "wpe", "embed", "emb.", "tok_emb", "pos_emb")
 
 
@@ -132,7 +137,8 @@ class Syncer:
         # compressed updates sent so far; the rounding residual stays in params - published and
         # goes out with the next update (error feedback).
         self.published: dict[str, torch.Tensor] = self._fresh_published()
-        self.updates: dict[int, bytes] = {}  # fragment -> encoded update to its current version
+        # fragment -> {version: encoded update from version - 1}, the newest UPDATE_HISTORY of them
+        self.updates: dict[int, dict[int, bytes]] = {}
         self.momentum: dict[str, torch.Tensor] = {}
         self.versions: dict[int, int] = dict.fromkeys(range(len(self.fragments)), 0)
         self.applied: set[tuple] = set()
@@ -416,7 +422,10 @@ class Syncer:
         blob = update.to_bytes(method)
         for n, t in decode(blob).items():
             self.published[n].add_(t.float())
-        self.updates[fragment] = blob
+        history = self.updates.setdefault(fragment, {})
+        history[new_version] = blob
+        for v in [v for v in history if v <= new_version - UPDATE_HISTORY]:
+            del history[v]
 
     # -- views ------------------------------------------------------------------------------
     def global_fragment(self, p: int) -> GlobalFragment:
@@ -431,7 +440,17 @@ class Syncer:
     def global_update(self, p: int) -> bytes | None:
         """The encoded update from version v - 1 to the current version v of fragment p, for a
         learner that holds v - 1 (None when global_compression is none or nothing was merged)."""
-        return self.updates.get(p)
+        return self.updates.get(p, {}).get(self.versions[p])
+
+    def global_updates(self, p: int, held: int) -> list[bytes] | None:
+        """The encoded updates that take a learner holding version `held` of fragment p to the
+        current version, oldest first; None when one of them is no longer kept (or there are
+        none: global_compression is none, or the learner is current)."""
+        current = self.versions[p]
+        history = self.updates.get(p, {})
+        if held >= current or any(v not in history for v in range(held + 1, current + 1)):
+            return None
+        return [history[v] for v in range(held + 1, current + 1)]
 
     def global_state(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.params.items()}
@@ -461,7 +480,8 @@ class Syncer:
                 None if self.published is self.params else {n: t.clone() for n, t in self.published.items()}
             ),
             "updates": {
-                p: torch.frombuffer(bytearray(b), dtype=torch.uint8) for p, b in self.updates.items()
+                p: {v: torch.frombuffer(bytearray(b), dtype=torch.uint8) for v, b in history.items()}
+                for p, history in self.updates.items()
             },
             "pending": [
                 e.contribution.to_state(arrived=e.arrived)
@@ -489,11 +509,12 @@ class Syncer:
             self.published = self._fresh_published()
         else:
             self.published = {n: t.float().clone() for n, t in published.items()}
-        self.updates = (
-            {int(p): t.numpy().tobytes() for p, t in (state.get("updates") or {}).items()}
-            if self.config.global_compression != "none"
-            else {}
-        )
+        self.updates = {}
+        if self.config.global_compression != "none":
+            for p, history in (state.get("updates") or {}).items():
+                if isinstance(history, torch.Tensor):  # written before the history: the newest only
+                    history = {self.versions[int(p)]: history}
+                self.updates[int(p)] = {int(v): t.numpy().tobytes() for v, t in history.items()}
         self._rounds = {p: _Round() for p in range(len(self.fragments))}
         self._last_arrival = {}
         for d in state["pending"]:

@@ -258,11 +258,17 @@ class LocalRun:
     def _deliver(self, learner: Learner) -> None:
         for p in range(self.P):
             if self.syncer.versions[p] > learner.adopted_versions[p]:
-                update = self.syncer.global_update(p)
-                one_behind = learner.adopted_versions[p] == self.syncer.versions[p] - 1
-                blob = update if update is not None and one_behind else self._global_blob(p)
-                self.bytes_down += len(blob)
-                learner.adopt(GlobalFragment.from_bytes(blob, expected=self._expected[p]))
+                # the compressed updates since the version it holds, while they cost less than
+                # the whole fp32 fragment; else the whole fragment
+                chain = self.syncer.global_updates(p, learner.adopted_versions[p])
+                whole = self._global_blob(p)
+                if chain is not None and sum(map(len, chain)) < len(whole):
+                    self.bytes_down += sum(map(len, chain))
+                    learner.adopt_updates(
+                        [GlobalFragment.from_bytes(b, expected=self._expected[p]) for b in chain])
+                else:
+                    self.bytes_down += len(whole)
+                    learner.adopt(GlobalFragment.from_bytes(whole, expected=self._expected[p]))
 
     def _send(self, contributions: list[Contribution]) -> None:
         for c in contributions:

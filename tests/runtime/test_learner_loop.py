@@ -217,6 +217,41 @@ def test_learner_one_version_behind_fetches_the_compressed_update(corpus):
         assert torch.equal(loop.learner.base[0][n].cpu(), syncer.published[n])
 
 
+def test_learner_several_versions_behind_fetches_the_chain_of_updates(corpus):
+    """A learner three versions behind downloads the three int4 updates (less than the whole fp32
+    fragment) and holds the published bits; with a link missing (written under an earlier syncer
+    epoch) it downloads the whole fragment instead."""
+    c = cfg(steps=10_000, global_compression="int4", max_staleness=8)
+    other = Learner(c, 0, corpus=corpus, job="j")  # another incarnation's progress, merged 3 times
+    syncer = Syncer(c, Learner(c, 0, corpus=corpus, job="j").model, ManualClock(), job="j")
+    for _round in range(3):
+        for _ in range(4):
+            other.step()
+        for contribution in other.due_contributions():
+            assert syncer.submit(contribution).accepted
+        merged = syncer.merge(0, force=True)
+        other.adopt(merged.global_fragment)
+    chain = syncer.global_updates(0, 0)
+    whole = syncer.global_fragment(0).to_bytes()
+    for missing in (None, 2):
+        store = MemoryStore()
+        for v, blob in enumerate(chain, start=1):
+            if v != missing:
+                store.put(keys.update_key("j", 0, v, 1), blob)
+        store.put(keys.global_key("j", 0, 3, 1), whole)
+        store.put(keys.head_key("j"), keys.head_blob({0: 3}, {0: 1}))
+        loop = loop_for(store, corpus, 0, Host(), steps=10_000, global_compression="int4", max_staleness=8)
+        loop.resume()
+        assert loop.learner.adopted_versions[0] == 3
+        if missing is None:
+            assert loop.updates_received == 3
+            assert loop.bytes_received == sum(map(len, chain)) < len(whole) / 2
+        else:
+            assert loop.updates_received == 0 and loop.bytes_received == len(whole)
+        for n in loop.learner.fragments[0]:
+            assert torch.equal(loop.learner.base[0][n].cpu(), syncer.published[n])
+
+
 def test_learner_reads_the_head_of_every_syncer_shard(corpus):
     """syncer_shards=2: fragment 0's versions are in `head`, fragment 1's in `head-s01`."""
     store = MemoryStore()

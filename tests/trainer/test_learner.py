@@ -208,3 +208,28 @@ def test_state_dict_is_a_snapshot_and_restores_do_not_share_it(learner):
     assert c.step().loss == b.last_loss  # c trains from the checkpoint, not from b's moved state
     for n in b.params:
         assert torch.equal(b.params[n], c.params[n])
+
+
+def test_a_chain_of_updates_gives_the_published_bits(learner):
+    """A learner three versions behind adds the syncer's compressed updates in order and holds
+    its published weights exactly; a chain that does not start at its version is refused."""
+    from trainer.clock import ManualClock
+    from trainer.syncer import Syncer
+
+    lrn = learner(fragments=1, inner_steps=2, steps=40, global_compression="int4", max_staleness=8)
+    other = learner(index=1, fragments=1, inner_steps=2, steps=40, global_compression="int4", max_staleness=8)
+    syncer = Syncer(other.config, other.model, ManualClock())
+    for _round in range(3):
+        for _ in range(2):
+            other.step()
+        for c in other.due_contributions():
+            assert syncer.submit(c).accepted
+        syncer.merge(0, force=True)
+        other.adopt(syncer.global_fragment(0))
+    chain = [GlobalFragment.from_bytes(b) for b in syncer.global_updates(0, 0)]
+    with pytest.raises(ValueError, match="chain"):
+        lrn.adopt_updates(chain[1:])
+    assert lrn.adopt_updates(chain)
+    assert lrn.adopted_versions[0] == 3
+    for n in lrn.fragments[0]:
+        assert torch.equal(lrn.base[0][n].cpu(), syncer.published[n])

@@ -351,3 +351,38 @@ def test_uncompressed_publication_is_the_global_itself():
     assert syncer.global_update(0) is None
     for n, t in syncer.global_fragment(0).tensors.items():
         assert torch.equal(t, syncer.params[n])
+
+
+def test_update_history_chains_a_learner_several_versions_behind():
+    """global_updates(p, held) hands out the chain held+1 .. current while every link is kept
+    (the newest UPDATE_HISTORY), survives a state round trip, and loads the older one-update state."""
+    from trainer.protocol import GlobalFragment
+    from trainer.syncer import UPDATE_HISTORY
+
+    cfg = _config(learners=1, quorum=1, global_compression="int4", max_staleness=20)
+    init = _initial()
+    syncer = Syncer(cfg, init, ManualClock())
+    held = {n: t.clone() for n, t in init.items()}
+    for v in range(UPDATE_HISTORY + 2):
+        syncer.submit(_contrib(0, base_version=v, tensors={n: t * 0.01 for n, t in _delta(v).items()}))
+        syncer.merge(0)
+        if v == 2:
+            chain = syncer.global_updates(0, 0)
+            assert [GlobalFragment.from_bytes(b).base_version for b in chain] == [0, 1, 2]
+            for b in chain:  # added in order, as the syncer added them: the same bits
+                held = {n: held[n] + GlobalFragment.from_bytes(b).tensors[n] for n in held}
+            assert all(torch.equal(held[n], syncer.published[n]) for n in held)
+    current = UPDATE_HISTORY + 2
+    assert syncer.global_updates(0, current) is None  # nothing to fetch
+    assert len(syncer.global_updates(0, current - UPDATE_HISTORY)) == UPDATE_HISTORY
+    assert syncer.global_updates(0, current - UPDATE_HISTORY - 1) is None  # the oldest link is gone
+    assert syncer.global_update(0) == syncer.global_updates(0, current - 1)[0]
+
+    restored = Syncer(cfg, init, ManualClock())
+    restored.load_state_dict(state_from_bytes(state_to_bytes(syncer.state_dict())))
+    assert restored.global_updates(0, current - 3) == syncer.global_updates(0, current - 3)
+    old = syncer.state_dict()
+    old["updates"] = {0: old["updates"][0][current]}  # the format before the history
+    restored.load_state_dict(old)
+    assert restored.global_update(0) == syncer.global_update(0)
+    assert restored.global_updates(0, current - 2) is None

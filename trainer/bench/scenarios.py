@@ -321,8 +321,8 @@ def wan(quick: bool, seed: int) -> Scenario:
                 fewer,
                 ">= 1000",
                 fewer is not None and fewer >= 1000,
-                "all bytes both ways: int4 contributions up, int4 global updates down (whole fp32 "
-                "fragments to a learner more than one version behind)",
+                "all bytes both ways: int4 contributions up, int4 global updates down (chains of them "
+                "to a learner a few versions behind, whole fp32 fragments when cheaper)",
             ),
             _check(
                 "contribution bytes per token, ddp / decoupled (up only)",

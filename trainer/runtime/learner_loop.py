@@ -15,6 +15,7 @@ resume point; the syncer accepts older incarnations' contributions only up to it
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -188,11 +189,14 @@ class LearnerLoop:
             self.head_versions[p] = v
             if v > have.get(p, -1):
                 try:
-                    g = self._fetch_global(p, v, epochs.get(p), have.get(p, -1))
+                    gs = self._fetch_global(p, v, epochs.get(p), have.get(p, -1))
                 except Exception:
                     log.warning("global fragment %s v%s unreadable", p, v, exc_info=True)
                     continue
-                self.learner.adopt(g)
+                if gs[0].is_update:
+                    self.learner.adopt_updates(gs)
+                else:
+                    self.learner.adopt(gs[0])
                 adopted += 1
         if self.head_versions:
             self.staleness = max((self.head_versions.get(p, 0) - have.get(p, 0)) for p in self.head_versions)
@@ -215,21 +219,36 @@ class LearnerLoop:
             epochs.update(e)
         return (head, epochs) if found else None
 
-    def _fetch_global(self, p: int, v: int, epoch: int | None, have: int):
-        """The compressed update when this learner holds v - 1 and the job publishes updates,
-        else the whole fragment."""
-        if v == have + 1:
-            try:
-                blob = self.store.get(keys.update_key(self.job, p, v, epoch))
-            except KeyError:
-                blob = None
-            if blob is not None:
-                self.bytes_received += len(blob)
-                self.updates_received += 1
-                return self.decode_global(blob)
+    def _fetch_global(self, p: int, v: int, epoch: int | None, have: int) -> list:
+        """The compressed updates from the version this learner holds to v, when the job publishes
+        updates and the chain costs less than the whole fp32 fragment; else [the whole fragment]."""
+        if 0 <= have < v:
+            chain = self._fetch_updates(p, have, v, epoch)
+            if chain is not None:
+                self.bytes_received += sum(map(len, chain))
+                self.updates_received += len(chain)
+                return [self.decode_global(b) for b in chain]
         blob = self.store.get(keys.global_key(self.job, p, v, epoch))
         self.bytes_received += len(blob)
-        return self.decode_global(blob)
+        return [self.decode_global(blob)]
+
+    def _fetch_updates(self, p: int, have: int, v: int, epoch: int | None) -> list[bytes] | None:
+        """Update blobs have+1 .. v (None when one is missing, e.g. written under an earlier
+        syncer epoch, or when they would outweigh the whole fragment: judged from the first)."""
+        whole = None
+        shapes = getattr(self.learner, "expected_shapes", None)
+        if shapes is not None:
+            whole = 4 * sum(math.prod(s) for s in shapes(p).values())
+        chain: list[bytes] = []
+        for u in range(have + 1, v + 1):
+            try:
+                blob = self.store.get(keys.update_key(self.job, p, u, epoch))
+            except KeyError:
+                return None
+            if v - have > 1 and (whole is None or len(blob) * (v - have) >= whole):
+                return None
+            chain.append(blob)
+        return chain
 
     def _unblock_refused(self, head: dict) -> None:
         """A fragment whose contribution the syncer refused (its blob is gone, no newer version

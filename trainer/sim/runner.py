@@ -548,16 +548,18 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
         s = slots[j]
         if not s.up or (j, p) in downloading or syncer.versions[p] <= s.learner.adopted_versions[p]:
             return
-        # the compressed update when the learner holds the version before, else the whole fragment
-        update = syncer.global_update(p)
-        if update is not None and s.learner.adopted_versions[p] == syncer.versions[p] - 1:
-            blob, wire = update, cfg.global_compression
+        # the compressed updates since the version the learner holds while they cost less than
+        # the whole fragment (as the runtime's learners fetch them), else the whole fragment
+        chain = syncer.global_updates(p, s.learner.adopted_versions[p]) or []
+        whole_bytes = frag_params[p] * WIRE_BYTES_PER_PARAM["none"]
+        chain_bytes = len(chain) * frag_params[p] * WIRE_BYTES_PER_PARAM[cfg.global_compression]
+        if chain and chain_bytes < whole_bytes:
+            blobs, nbytes = chain, chain_bytes
         else:
-            blob, wire = syncer.global_fragment(p).to_bytes("none"), "none"
-        nbytes = frag_params[p] * WIRE_BYTES_PER_PARAM[wire]
+            blobs, nbytes = [syncer.global_fragment(p).to_bytes("none")], whole_bytes
         arr = run.links[run.islands[j].pool.slug].send(t, nbytes, "down")
         downloading.add((j, p))
-        q.push(arr, "global", i=j, inc=s.incarnation, blob=blob, fragment=p)
+        q.push(arr, "global", i=j, inc=s.incarnation, blobs=blobs, fragment=p)
 
     def send_fragment_down(g, t: float) -> None:
         for j in range(len(slots)):
@@ -711,9 +713,9 @@ def run_diloco(spec: SimSpec, corpus, mode: str) -> dict:
             if d["inc"] != s.incarnation or not s.up:
                 fetch(d["i"], d["fragment"], t)  # a download for an older incarnation: start afresh
                 continue
-            g = GlobalFragment.from_bytes(d["blob"], expected[d["fragment"]])
-            applies = not g.is_update or g.base_version == s.learner.adopted_versions[d["fragment"]]
-            if applies and s.learner.adopt(g):
+            gs = [GlobalFragment.from_bytes(b, expected[d["fragment"]]) for b in d["blobs"]]
+            applies = not gs[0].is_update or gs[0].base_version == s.learner.adopted_versions[d["fragment"]]
+            if applies and (s.learner.adopt_updates(gs) if gs[0].is_update else s.learner.adopt(gs[0])):
                 # checkpoint after adopting too, so a restart does not re-apply merged progress
                 run.ledgers[d["i"]].commit()
                 checkpoint(s)
