@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
     t.add_argument("--inner-lr", type=float, default=d.inner_lr)
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    t.add_argument("--inner-prox", type=float, default=d.inner_prox,
+                   help="pull towards the adopted global per unit of inner lr (0: off)")
     t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     t.add_argument("--grad-clip", type=float, default=d.grad_clip)
     t.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -84,6 +86,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         outer_momentum=a.outer_momentum,
         inner_lr=a.inner_lr,
         weight_decay=a.weight_decay,
+        inner_prox=a.inner_prox,
         warmup_steps=a.warmup_steps,
         grad_clip=a.grad_clip,
         batch_size=a.batch_size,

@@ -26,6 +26,7 @@ class TrainConfig:
     outer_momentum: float = 0.9
     inner_lr: float = 3e-3
     weight_decay: float = 0.1
+    inner_prox: float = 0.0           # pull towards the adopted global, per unit of inner lr (0: off)
     warmup_steps: int = 20
     grad_clip: float = 1.0
     batch_size: int = 16
@@ -82,6 +83,8 @@ class TrainConfig:
         need(0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
         need(self.inner_lr > 0, "inner_lr", "must be > 0")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self.inner_prox >= 0, "inner_prox", "must be >= 0")
+        need(self.inner_lr * self.inner_prox <= 1, "inner_prox", "inner_lr x inner_prox must be <= 1")
         need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         need(self.grad_clip > 0, "grad_clip", "must be > 0")
         need(self.compression in COMPRESSIONS, "compression", f"must be one of {', '.join(COMPRESSIONS)}")

@@ -42,6 +42,11 @@ class JobSpec(BaseModel):
     outer_momentum: float = Field(0.9, ge=0, lt=1.0)
     inner_lr: float = Field(3e-3, gt=0, le=1.0)
     weight_decay: float = Field(0.1, ge=0, le=1.0)
+    inner_prox: float = Field(
+        0.0, ge=0, le=10_000,
+        description="pull of each inner step towards the adopted global weights, per unit of inner lr "
+        "(FedProx-style, keeps the learners from drifting apart; 0: off)",
+    )
     warmup_steps: int = Field(20, ge=0, le=100_000)
     grad_clip: float = Field(1.0, gt=0, le=1000)
     batch_size: int = Field(16, ge=1, le=1024)
@@ -95,6 +100,8 @@ class JobSpec(BaseModel):
             self.quorum = max(1, self.learners // 2)
         if self.quorum > self.learners:
             raise ValueError("quorum: must not exceed learners")
+        if self.inner_lr * self.inner_prox > 1:
+            raise ValueError("inner_prox: inner_lr x inner_prox must be <= 1 (no pull past the global)")
         if self.fragments > self.inner_steps:
             raise ValueError("fragments: must not exceed inner_steps (one sync per step at most)")
         if self.syncer_shards > self.fragments:

@@ -54,6 +54,9 @@ def test_invalid_spec_names_field_paths(as_alice):
     assert r.status_code == 400 and "data root" in r.json()["errors"]["spec.dataset"][0]
     r = as_alice.post("/api/v1/jobs/", {"spec": {**SPEC, "learners": 2, "quorum": 3}}, format="json")
     assert r.status_code == 400 and list(r.json()["errors"]) == ["spec.quorum"]
+    # a proximal pull past the adopted global (inner_lr * inner_prox > 1) names the pull
+    r = as_alice.post("/api/v1/jobs/", {"spec": {**SPEC, "inner_lr": 0.01, "inner_prox": 200}}, format="json")
+    assert r.status_code == 400 and list(r.json()["errors"]) == ["spec.inner_prox"], r.content
     assert Job.objects.count() == 0
 
 

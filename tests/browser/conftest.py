@@ -106,14 +106,12 @@ class LiveServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=5)
 
-    def restart(self, down_s: float = 0.0) -> None:
-        """Stop the server (SIGKILL, like a crash), stay down `down_s`, start it on the same port."""
+    def kill(self) -> None:
+        """Stop the server with SIGKILL, like a crash; `start()` brings it back on the same port."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=5)
-        time.sleep(down_s)
-        self.start()
 
     def tail(self, lines: int = 40) -> str:
         if not self.log.exists():

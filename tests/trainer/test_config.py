@@ -24,6 +24,10 @@ def test_bad_settings_name_the_field():
     assert set(exc.value.errors) == {"quorum", "outer_momentum", "compression"}
     with pytest.raises(ConfigError, match="fragments"):
         TrainConfig(inner_steps=2, fragments=3)
+    with pytest.raises(ConfigError, match="inner_prox"):
+        TrainConfig(inner_prox=-1)
+    with pytest.raises(ConfigError, match="inner_prox"):
+        TrainConfig(inner_lr=3e-3, inner_prox=400)  # would pull past the global weights
 
 
 def test_dict_roundtrip():

@@ -233,3 +233,24 @@ def test_a_chain_of_updates_gives_the_published_bits(learner):
     assert lrn.adopted_versions[0] == 3
     for n in lrn.fragments[0]:
         assert torch.equal(lrn.base[0][n].cpu(), syncer.published[n])
+
+
+def test_inner_prox_pulls_each_step_towards_the_adopted_global(learner):
+    """inner_prox: after the AdamW step, x <- x + lr * inner_prox * (base - x); nothing else
+    changes (same batches, same AdamW state), and a standalone learner has no global to pull to."""
+    plain = learner(inner_steps=8, steps=40)
+    prox = learner(inner_steps=8, steps=40, inner_prox=50.0)
+    for step in range(3):
+        plain.step()
+        prox.step()
+        rate = inner_lr(prox.config, step) * 50.0
+        for n, x in prox.params.items():
+            expected = plain.params[n].detach().lerp(prox.base[0][n], rate)
+            torch.testing.assert_close(x.detach(), expected, rtol=0, atol=1e-7)
+            plain.params[n].data.copy_(x.detach())  # continue from the same weights
+    alone = Learner(prox.config, 0, corpus=prox.corpus, standalone=True)
+    ref = Learner(plain.config, 0, corpus=plain.corpus, standalone=True)
+    alone.step()
+    ref.step()
+    for n, x in alone.params.items():
+        assert torch.equal(x, ref.params[n])
