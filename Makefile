@@ -37,7 +37,8 @@ test: $(STAMP) browser
 
 bench: $(STAMP)
 	mkdir -p bench/results
-	$(BIN)/python -m trainer.bench all --json bench/results/all.json --plot-dir bench/results
+	$(BIN)/python -m trainer.bench all --json bench/results/all.json --plot-dir bench/results \
+		--markdown bench/results/all.md
 
 clean:
 	rm -rf var test-artifacts

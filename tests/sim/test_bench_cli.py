@@ -52,8 +52,9 @@ SCHEMA = {
 
 
 def test_all_quick_scenarios_write_json_and_png(tmp_path, capsys):
-    out = tmp_path / "all.json"
-    assert main(["all", "--quick", "--seed", "3", "--json", str(out), "--plot-dir", str(tmp_path)]) == 0
+    out, md = tmp_path / "all.json", tmp_path / "all.md"
+    assert main(["all", "--quick", "--seed", "3", "--json", str(out), "--plot-dir", str(tmp_path),
+                 "--markdown", str(md)]) == 0
     doc = json.loads(out.read_text())
     names = [d["scenario"] for d in doc["scenarios"]]
     assert names == ["chaos", "mixed-fleet", "wan", "energy", "scale"]
@@ -71,12 +72,18 @@ def test_all_quick_scenarios_write_json_and_png(tmp_path, capsys):
     assert "calibration" in chaos and chaos["calibration"]["R_s"] > 0
     printed = capsys.readouterr().out
     assert "goodput" in printed and "== wan (quick)" in printed
+    # the docs' per-scenario sections, one per scenario, each with its table, checks and plot
+    text = md.read_text()
+    assert [line[5:] for line in text.splitlines() if line.startswith("#### ")] == names
+    assert text.count("| strategy | goodput |") == 5 and text.count("| check | value | target | met |") == 5
+    assert "![wan](../bench/results/wan.png)" in text and "| ddp | " in text
 
 
 def test_single_scenario_and_bad_arguments(tmp_path, capsys):
-    out, png = tmp_path / "s.json", tmp_path / "s.png"
-    assert main(["scale", "--quick", "--json", str(out), "--plot", str(png)]) == 0
+    out, png, md = tmp_path / "s.json", tmp_path / "s.png", tmp_path / "s.md"
+    assert main(["scale", "--quick", "--json", str(out), "--plot", str(png), "--markdown", str(md)]) == 0
     assert json.loads(out.read_text())["scenario"] == "scale" and png.stat().st_size > 0
+    assert md.read_text().startswith("#### scale\n\nFailure process of")
     for argv in (
         ["nope"],
         ["chaos", "--seed", "-1"],

@@ -1,5 +1,5 @@
 """python -m trainer.bench SCENARIO [--quick] [--seed S] [--json PATH] [--plot PATH]
-python -m trainer.bench all [--quick] [--seed S] [--json PATH] [--plot-dir DIR]"""
+python -m trainer.bench all [--quick] [--seed S] [--json PATH] [--plot-dir DIR] [--markdown PATH]"""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG: loss against virtual time, failures marked")
     ap.add_argument("--plot-dir", metavar="DIR", help="with 'all': one PNG per scenario in DIR")
+    ap.add_argument("--markdown", metavar="PATH", help="write each scenario's section of docs/benchmarks.md")
     args = ap.parse_args(argv)
     if args.seed < 0:
         ap.error("--seed must be >= 0")
@@ -58,12 +59,18 @@ def main(argv: list[str] | None = None) -> int:
                 (report.plot_scale if name == "scale" else report.plot)(doc, path)
         if args.json:
             report.write_json({"scenarios": docs, "seed": args.seed, "quick": args.quick}, args.json)
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write("\n".join(report.markdown(d) for d in docs))
         return 0
     if args.plot_dir:
         ap.error("--plot-dir goes with 'all'; use --plot PATH for one scenario")
     doc = _one(args.scenario, args.quick, args.seed)
     if args.json:
         report.write_json(doc, args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(report.markdown(doc))
     if args.plot:
         (report.plot_scale if args.scenario == "scale" else report.plot)(doc, args.plot)
     return 0

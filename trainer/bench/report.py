@@ -176,6 +176,35 @@ def checks_text(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _md_rows(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def markdown(doc: dict, image_dir: str = "../bench/results") -> str:
+    """One scenario as the section docs/benchmarks.md shows, so the doc is pasted, not retyped."""
+    out = [f"#### {doc['scenario']}", "", doc["description"][:1].upper() + doc["description"][1:] + ".", ""]
+    if doc["scenario"] == "scale":
+        rows = [[r["strategy"], f"{r['goodput']:.1%}", f"{r['global_downtime_s']:,.0f}"]
+                for r in doc["results"]]
+        out += _md_rows(["strategy", "goodput", "global downtime s"], rows)
+    else:
+        out.append(table(doc, markdown=True))
+    if doc.get("target_loss"):
+        out += ["", f"Target loss {doc['target_loss']:.4f} ({doc['target_rule']})."]
+    if doc.get("checks"):
+        rows = []
+        for c in doc["checks"]:
+            v = c["value"]
+            met = {True: "yes", False: "**no**", None: "-"}[c["met"]]
+            rows.append([c["check"], "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v),
+                         str(c["target"]), met])
+        out += ["", *_md_rows(["check", "value", "target", "met"], rows)]
+    out += ["", f"![{doc['scenario']}]({image_dir}/{doc['scenario']}.png)", "",
+            f"Wall time: {doc['wall_s']:.0f} s.", ""]
+    return "\n".join(out)
+
+
 def plot(doc: dict, path: str) -> None:
     """Validation loss against virtual time per strategy; below it, one row of failure marks per
     strategy (the same schedule, met at different times since each strategy runs its own course)."""
