@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install browser clean
+.PHONY: demo test lint bench compare install browser clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || (echo "need $(PY)"; exit 1)
@@ -39,6 +39,13 @@ bench: $(STAMP)
 	mkdir -p bench/results
 	$(BIN)/python -m trainer.bench all --json bench/results/all.json --plot-dir bench/results \
 		--markdown bench/results/all.md
+
+# Issue 3's quality line over three seeds: ddp against decoupled at equal tokens (~5 min).
+compare: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python -m trainer compare --preset acceptance --seeds 0,1,2 --eval-batches 32 \
+		--json bench/results/compare.json --plot bench/results/compare.png \
+		--markdown bench/results/compare.md
 
 clean:
 	rm -rf var test-artifacts

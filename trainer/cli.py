@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from trainer.compare import PRESETS
 from trainer.config import COMPRESSIONS, FRAGMENT_MODES, STRATEGIES, ConfigError, TrainConfig
 
 
@@ -21,12 +22,57 @@ def _speeds(text: str) -> list[float]:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError("comma-separated integers, e.g. 0,1,2") from exc
+
+
+def _strategies(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in STRATEGIES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown strategy {bad[0]!r}: use {', '.join(STRATEGIES)}")
+    return names
+
+
+def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
+    """`preset` (TrainConfig fields) becomes the defaults of `compare`, so flags override it."""
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train in this process (M learners + syncer, or a baseline)")
-    d = TrainConfig()
     t.add_argument("--strategy", choices=STRATEGIES, default="decoupled")
+    _add_config_options(t)
+    t.add_argument("--speeds", type=_speeds, default=None, help="relative learner speeds, e.g. 1,1,1,0.5")
+    t.add_argument("--seed", type=int, default=TrainConfig().seed)
+    t.add_argument("--json", default=None, help="write the report here ('-' for stdout)")
+    t.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+
+    c = sub.add_parser(
+        "compare",
+        help="strategies side by side at equal tokens over several seeds (gap to the first)",
+    )
+    c.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="start from these settings (acceptance: issue 3's quality run); flags override")
+    c.add_argument("--strategies", type=_strategies, default=["ddp", "decoupled"],
+                   help="comma-separated; the first is the baseline (default ddp,decoupled)")
+    c.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="comma-separated (default 0,1,2)")
+    _add_config_options(c)
+    c.add_argument("--target-gap", type=float, default=0.02,
+                   help="print whether each strategy stays within this fraction of the baseline")
+    c.add_argument("--json", default=None, help="write the comparison here ('-' for stdout)")
+    c.add_argument("--plot", default=None, help="write a PNG of the validation curves here")
+    c.add_argument("--markdown", default=None, help="write the table as markdown here")
+    c.add_argument("--quiet", "-q", action="store_true", help="no line per run")
+    if preset:
+        c.set_defaults(**preset)
+    return parser
+
+
+def _add_config_options(t: argparse.ArgumentParser) -> None:
+    """The TrainConfig options that `train` and `compare` share."""
+    d = TrainConfig()
     t.add_argument("--model", default=d.model, help="tiny|small|base|package.module:factory")
     t.add_argument(
         "--data", default=d.dataset, help="stdlib, a file, a directory or a glob (comma-separated)"
@@ -59,18 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fragment-mode", choices=FRAGMENT_MODES, default=d.fragment_mode)
     t.add_argument("--rda", action="store_true", help="radial-directional averaging")
     t.add_argument("--mix-alpha", type=float, default=d.mix_alpha)
-    t.add_argument("--speeds", type=_speeds, default=None, help="relative learner speeds, e.g. 1,1,1,0.5")
     t.add_argument("--eval-every", type=int, default=d.eval_every, help="outer steps between evaluations")
     t.add_argument("--eval-batches", type=int, default=d.eval_batches)
     t.add_argument("--device", default=d.device, help="auto|cpu|cuda|xpu|mps|xla")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast")
     t.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")
-    t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--cache-dir", default=None, help="token cache (default $DILOCO_CACHE_DIR or var/cache)")
     t.add_argument("--tokenizer", default=None, help="local tokenizer.json (needs the tokenizers package)")
-    t.add_argument("--json", default=None, help="write the report here ('-' for stdout)")
-    t.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
-    return parser
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -105,7 +146,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         device=a.device,
         bf16=a.bf16,
         threads=a.threads or None,
-        seed=a.seed,
+        seed=getattr(a, "seed", 0),
         cache_dir=a.cache_dir,
         tokenizer=a.tokenizer,
     )
@@ -131,16 +172,27 @@ def _progress_printer(out):
     return show
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse twice when `compare --preset` is given, so the preset fills only what flags leave."""
+    first, _ = build_parser().parse_known_args(argv)
+    preset = PRESETS[first.preset] if getattr(first, "preset", None) else None
+    return build_parser(preset).parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command != "train":  # pragma: no cover - argparse enforces the choice
-        return 2
+    args = parse_args(argv)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
         for field, msg in exc.errors.items():
             print(f"error: {field}: {msg}", file=sys.stderr)
         return 2
+    if args.command == "compare":
+        return _compare(args, config)
+    return _train(args, config)
+
+
+def _train(args: argparse.Namespace, config: TrainConfig) -> int:
     from trainer.train import run_local  # noqa: PLC0415 - keep --help fast
 
     progress_out = sys.stderr if args.json == "-" else sys.stdout
@@ -160,10 +212,44 @@ def main(argv: list[str] | None = None) -> int:
         f"{report['bytes_sent'] / 1e6:.1f} MB sent, {report['wall_s']:.1f} s"
     )
     print(summary, file=progress_out, flush=True)
-    if args.json == "-":
-        json.dump(report, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+    _write_json(report, args.json)
     return 0
+
+
+def _compare(args: argparse.Namespace, config: TrainConfig) -> int:
+    from trainer import compare  # noqa: PLC0415
+    from trainer.learner import load_corpus  # noqa: PLC0415
+    from trainer.train import run_local  # noqa: PLC0415
+
+    out = sys.stderr if args.json == "-" else sys.stdout
+    try:
+        corpus = load_corpus(config)  # once for all runs
+        doc = compare.compare(
+            config,
+            args.strategies,
+            args.seeds,
+            run=lambda cfg, strategy: run_local(cfg, strategy, corpus=corpus),
+            progress=None if args.quiet else (lambda line: print(line, file=out, flush=True)),
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    verdict = compare.verdict(doc, args.target_gap)
+    print(compare.table(doc), file=out)
+    print(verdict, file=out, flush=True)
+    if args.plot:
+        compare.plot(doc, args.plot)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(compare.table(doc, markdown=True) + "\n\n" + verdict + "\n")
+    _write_json(doc, args.json)
+    return 0
+
+
+def _write_json(doc: dict, path: str | None) -> None:
+    if path == "-":
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+    elif path:
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=2)

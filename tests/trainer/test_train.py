@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from trainer.checkpoint import state_from_bytes, state_to_bytes
+from trainer.compare import PRESETS
 from trainer.config import TrainConfig
 from trainer.train import LocalRun, run_local
 
@@ -114,13 +115,11 @@ def test_checkpoint_restore_continue_equals_uninterrupted(small_config, stdlib_c
     assert full.report()["final_val_loss"] == resumed.report()["final_val_loss"]
 
 
-# Settings of the quality acceptance run (docs/engine.md, "Fifth sweep"): the same inner settings
-# for both strategies, at ddp's best inner lr of the sweeps (2e-3); decoupled adds what only local
-# steps have: the proximal pull towards the adopted global (inner_prox), RDA merge, outer Nesterov
-# lr 0.7 with momentum 0.7.
-ACCEPTANCE_HPARAMS = {
-    "inner_lr": 2e-3, "inner_prox": 50.0, "outer_lr": 0.7, "outer_momentum": 0.7, "rda": True,
-}
+# The quality acceptance run is trainer.compare's "acceptance" preset (docs/engine.md, "Fifth
+# sweep"): the same inner settings for both strategies, at ddp's best inner lr of the sweeps (2e-3);
+# decoupled adds what only local steps have: the proximal pull towards the adopted global
+# (inner_prox), RDA merge, outer Nesterov lr 0.7 with momentum 0.7. `make compare` runs it over
+# three seeds and prints the gap.
 # Measured on this corpus (32 validation batches): ddp 2.234, decoupled 2.303 nats/byte (3.1% apart;
 # without the proximal pull decoupled needs inner lr 1e-3 and ends 4.9% behind ddp at that lr). The
 # issue asks for 2%; at 128 tokens per learner step the per-learner AdamW steps are noise dominated
@@ -134,19 +133,8 @@ DDP_GAP = 1.05
 @pytest.mark.slow
 def test_tiny_m4_h20_learns_and_decoupled_close_to_ddp(cache_dir, stdlib_corpus):
     """Acceptance: tiny, stdlib, M=4, H=20, 400 inner steps per learner, equal tokens."""
-    cfg = TrainConfig(
-        model="tiny",
-        learners=4,
-        inner_steps=20,
-        fragments=1,
-        quorum=2,
-        steps=400,
-        batch_size=4,
-        seq_len=32,
-        eval_every=5,
-        cache_dir=str(cache_dir),
-        **ACCEPTANCE_HPARAMS,
-    )
+    cfg = TrainConfig(**PRESETS["acceptance"], cache_dir=str(cache_dir))
+    assert (cfg.model, cfg.learners, cfg.inner_steps, cfg.steps) == ("tiny", 4, 20, 400)
     ddp = run_local(cfg, "ddp", corpus=stdlib_corpus)
     dec = run_local(cfg, "decoupled", corpus=stdlib_corpus)
     assert ddp["tokens"] == dec["tokens"] == 4 * 400 * 4 * 32
