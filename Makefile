@@ -43,7 +43,7 @@ bench: $(STAMP)
 # Issue 3's quality line over three seeds: ddp against decoupled at equal tokens (~5 min).
 compare: $(STAMP)
 	mkdir -p bench/results
-	$(BIN)/python -m trainer compare --preset acceptance --seeds 0,1,2 --eval-batches 32 \
+	$(BIN)/python -m trainer compare --preset acceptance --seeds 0,1,2 --eval-batches 32 --eval-every 1 \
 		--json bench/results/compare.json --plot bench/results/compare.png \
 		--markdown bench/results/compare.md
 
