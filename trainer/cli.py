@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from trainer.compare import PRESETS
@@ -179,8 +180,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser(preset).parse_args(argv)
 
 
+def _unwritable(args: argparse.Namespace) -> list[str]:
+    """Output paths whose folder is missing or read-only, checked before the (long) runs."""
+    errors = []
+    for flag in ("json", "plot", "markdown"):
+        path = getattr(args, flag, None)
+        if not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            errors.append(f"--{flag}: folder {folder} does not exist")
+        elif not os.access(folder, os.W_OK):
+            errors.append(f"--{flag}: folder {folder} is not writable")
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bad_paths = _unwritable(args)
+    for msg in bad_paths:
+        print(f"error: {msg}", file=sys.stderr)
+    if bad_paths:
+        return 2
     try:
         config = config_from_args(args)
     except ConfigError as exc:

@@ -67,6 +67,8 @@ def _cli(*args, timeout=300):
         (["--seeds", "0,x"], "comma-separated integers"),
         (["--seeds", ","], "at least one seed"),
         (["--learners", "0"], "learners"),
+        (["--plot", "/nonexistent/c.png"], "--plot: folder /nonexistent does not exist"),
+        (["--json", "/nonexistent/c.json"], "--json: folder /nonexistent does not exist"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message, cache_dir):

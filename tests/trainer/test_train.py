@@ -233,3 +233,13 @@ def test_cli_rejects_bad_input(cache_dir):
         check=False,
     )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "--steps", "1", "--json", "/nonexistent/r.json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # refused before training, not a FileNotFoundError traceback after it
+    assert proc.returncode == 2 and "error: --json: folder /nonexistent does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
