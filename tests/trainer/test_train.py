@@ -205,41 +205,22 @@ def test_cli_train_writes_report(tmp_path, cache_dir):
     assert 0 < report["compression_error_mean"] < 0.41
 
 
+def _train_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def test_cli_rejects_bad_input(cache_dir):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "train",
-            "--learners",
-            "2",
-            "--quorum",
-            "3",
-            "--cache-dir",
-            str(cache_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = _train_cli("--learners", "2", "--quorum", "3", "--cache-dir", str(cache_dir))
     assert proc.returncode == 2 and "error: quorum: must not exceed learners" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--data", "/nonexistent/x", "--steps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = _train_cli("--data", "/nonexistent/x", "--steps", "1")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--steps", "1", "--json", "/nonexistent/r.json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = _train_cli("--steps", "1", "--json", "/nonexistent/r.json")
     # refused before training, not a FileNotFoundError traceback after it
     assert proc.returncode == 2 and "error: --json: folder /nonexistent does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
