@@ -40,7 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python -m trainer.bench all --json bench/results/all.json --plot-dir bench/results \
 		--markdown bench/results/all.md
 
-# Issue 3's quality line over three seeds: ddp against decoupled at equal tokens (~5 min).
+# Issue 3's quality line over three seeds: ddp against decoupled at equal tokens (about 3 min).
 compare: $(STAMP)
 	mkdir -p bench/results
 	$(BIN)/python -m trainer compare --preset acceptance --seeds 0,1,2 --eval-batches 32 --eval-every 1 \
