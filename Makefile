@@ -32,6 +32,7 @@ test: $(STAMP) browser
 	$(BIN)/ruff check .
 	DATABASE_URL=$${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/diloco} \
 	REDIS_URL=$${TEST_REDIS_URL:-redis://127.0.0.1:6379/0} \
+	SECRET_KEY=$${SECRET_KEY:-$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(50))')} \
 	DJANGO_ALLOW_ASYNC_UNSAFE=true \
 	$(BIN)/pytest $(PYTEST_ARGS)
 

@@ -21,13 +21,44 @@ env = environ.Env(
 
 # GENERAL
 DEBUG = env("DEBUG")
+# The embedded default (no DATABASE_URL: SQLite under var/) is one host: its secrets are random,
+# made once into var/ and shared by its processes. Any other start must be given SECRET_KEY.
+EMBEDDED = not env.str("DATABASE_URL", default="")
+
+
+def _local_secret(name: str) -> str:
+    """A random secret kept in VAR_DIR/<name> (mode 0600), made by whichever process comes first."""
+    import os
+    import secrets
+
+    path = VAR_DIR / name
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(50))
+    for _ in range(50):  # another process may be writing it right now
+        value = path.read_text().strip()
+        if value:
+            return value
+        import time
+
+        time.sleep(0.01)
+    raise RuntimeError(f"{path} is empty; delete it to make a new secret")
+
+
 SECRET_KEY = env.str("SECRET_KEY", default="")
 if not SECRET_KEY:
-    if not DEBUG and env.bool("DILOCO_PRODUCTION", default=False):
+    if not EMBEDDED:
         from django.core.exceptions import ImproperlyConfigured
 
-        raise ImproperlyConfigured("SECRET_KEY must be set in production")
-    SECRET_KEY = "insecure-dev-key-only-for-the-embedded-default-" + "x" * 20  # noqa: S105
+        raise ImproperlyConfigured(
+            "SECRET_KEY is not set: set it (python -c 'import secrets; print(secrets.token_urlsafe(50))'); "
+            "only the embedded default (no DATABASE_URL) makes its own, in var/secret_key"
+        )
+    SECRET_KEY = _local_secret("secret_key")
 ALLOWED_HOSTS = env("ALLOWED_HOSTS")
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 TIME_ZONE = "UTC"
@@ -149,14 +180,22 @@ BLOB_STORE_URL = env.str("BLOB_STORE_URL", default=f"file://{VAR_DIR / 'blobs'}"
 
 # DATA: job specs may only read files under these roots ("stdlib" is always allowed).
 DATA_ROOTS = [Path(p).resolve() for p in env.list("DATA_ROOTS", default=[str(BASE_DIR / "data")])]
+# MODEL: the `module:function` model factories job specs may name (presets are always allowed).
+# Empty by default: a factory is code the coordinator and every worker import and call.
+MODEL_FACTORIES = env.list("MODEL_FACTORIES", default=[])
 
 # PLATFORM
 WEB_URL = env.str("DILOCO_WEB_URL", default="http://127.0.0.1:8000")
 HEARTBEAT_INTERVAL_S = env.float("HEARTBEAT_INTERVAL_S", default=1.0)
 HEARTBEAT_TIMEOUT_S = env.float("HEARTBEAT_TIMEOUT_S", default=3.0)
+# A learner that fails to start this many times in a row (with back-off between) fails its job.
+LEARNER_START_ATTEMPTS = env.int("LEARNER_START_ATTEMPTS", default=5)
 
 # TELEMETRY (agent websocket; docs/telemetry.md)
-COORDINATOR_TOKEN = env.str("COORDINATOR_TOKEN", default="")  # unset: derived from SECRET_KEY
+# The coordinator's credential on the agent socket: a random secret, never derived from
+# SECRET_KEY. Unset: made once into var/coordinator_token (one host: the embedded default,
+# the test stack); a deployment over several hosts sets the same value on web and coordinator.
+COORDINATOR_TOKEN = env.str("COORDINATOR_TOKEN", default="") or _local_secret("coordinator_token")
 WS_MAX_FRAME_BYTES = env.int("WS_MAX_FRAME_BYTES", default=64 * 1024)
 TELEMETRY_FLUSH_INTERVAL_S = env.float("TELEMETRY_FLUSH_INTERVAL_S", default=0.5)
 TELEMETRY_FLUSH_MAX_ITEMS = env.int("TELEMETRY_FLUSH_MAX_ITEMS", default=1000)

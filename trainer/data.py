@@ -55,11 +55,33 @@ def _is_binary(path: Path) -> bool:
         return b"\x00" in fh.read(8192)
 
 
-def resolve_files(source: str | Iterable[str]) -> list[Path]:
-    """The input files of a source spec, deterministic order, no duplicates."""
-    parts = [source] if isinstance(source, str) else list(source)
+def split_source(source: str | Iterable[str]) -> list[str]:
+    """The parts of a source spec: a string is split on commas, a list is taken as is.
+
+    The platform checks each part against its data roots with this same function, so what
+    it checks is exactly what the engine reads.
+    """
     if isinstance(source, str):
-        parts = [p.strip() for p in source.split(",") if p.strip()]
+        return [p.strip() for p in source.split(",") if p.strip()]
+    return [str(p) for p in source]
+
+
+def inside_roots(path: Path, roots: Iterable[Path]) -> bool:
+    """Whether `path`, with every symlink resolved, lies inside one of `roots`."""
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return any(real == root or root in real.parents for root in roots)
+
+
+def resolve_files(source: str | Iterable[str], roots: Iterable[Path] | None = None) -> list[Path]:
+    """The input files of a source spec, deterministic order, no duplicates.
+
+    With `roots` (the platform's data roots), every file found, after symlinks, must lie
+    inside one of them (`stdlib` excepted): a link in a data folder cannot reach elsewhere.
+    """
+    parts = split_source(source)
     if not parts:
         raise ValueError("empty data source")
     files: list[Path] = []
@@ -84,6 +106,12 @@ def resolve_files(source: str | Iterable[str]) -> list[Path]:
                              if not _is_binary(p))
             else:
                 raise ValueError(f"data source {part!r} does not exist")
+    if roots is not None:
+        allowed = [Path(r).resolve() for r in roots]
+        std = stdlib_dir().resolve()
+        outside = [f for f in files if not inside_roots(f, [*allowed, std])]
+        if outside:
+            raise ValueError(f"data source file {str(outside[0])!r} lies outside the data roots")
     seen: set[str] = set()
     unique = []
     for f in files:
@@ -166,9 +194,10 @@ class Corpus:
 
     @classmethod
     def load(cls, source: str | Iterable[str] = "stdlib", cache_dir: str | os.PathLike | None = None,
-             tokenizer: str | None = None, val_fraction: float = 0.05) -> Corpus:
+             tokenizer: str | None = None, val_fraction: float = 0.05,
+             roots: Iterable[Path] | None = None) -> Corpus:
         tok = FileTokenizer(tokenizer) if tokenizer else ByteTokenizer()
-        files = resolve_files(source)
+        files = resolve_files(source, roots)
         h = hashlib.sha256(f"v{CACHE_VERSION}|{tok.name}|{val_fraction}".encode())
         for f in files:
             st = f.stat()

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.placement import ModelFigures, model_figures
+
 BYTE_VOCAB = 256
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -182,11 +184,15 @@ def model_params(name: str, seq_len: int = 64) -> int:
     return param_count(build_model(name, seq_len=seq_len))
 
 
-def model_memory_gib(name: str, seq_len: int = 64) -> float:
-    """Training footprint estimate: fp32 weights + grads + AdamW moments (16 B/param) + 25%
-    for activations and the learner's copy of the global base (4 B/param)."""
-    n = model_params(name, seq_len)
-    return n * (16 + 4) * 1.25 / 2**30
+def job_model_figures(name: str, batch_size: int, seq_len: int, fragments: int = 1) -> ModelFigures:
+    """The placement figures of a job's model (trainer.placement.model_figures): the one estimate
+    the dry run and the coordinator share, so the preview shows what the coordinator will do."""
+    return model_figures(model_params(name, seq_len), batch_size, seq_len, fragments)
+
+
+def model_memory_gib(name: str, seq_len: int = 64, batch_size: int = 0) -> float:
+    """Training footprint estimate of one learner (see trainer.placement.model_figures)."""
+    return job_model_figures(name, batch_size, seq_len).memory_gib
 
 
 def model_flops_per_token(name: str, seq_len: int = 64) -> float:

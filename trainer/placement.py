@@ -39,6 +39,37 @@ class PlacementError(ValueError):
     """Nothing fits: the message says why (memory, free devices, bad arguments)."""
 
 
+# Bytes of training state per parameter: fp32 weights, grads, AdamW's two moments, and the
+# learner's copy of the global base it computes pseudo-gradients against.
+STATE_BYTES_PER_PARAM = 20
+# Activations kept for the backward pass, per token of a batch (a rough figure for the small
+# GPTs of the presets; a factory's model may need more) and the allocator's slack on top.
+ACTIVATION_BYTES_PER_TOKEN = 4096
+MEMORY_OVERHEAD = 1.25
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """What placement needs to know of a job's model: one estimate for the dry run and the coordinator."""
+
+    params: int
+    memory_gib: float
+    flops_per_token: float
+    fragment_bytes: int
+
+
+def model_figures(params: int, batch_size: int, seq_len: int, fragments: int = 1) -> ModelFigures:
+    """Training footprint of one learner and the 6 N FLOPs per token of a `params`-parameter model."""
+    state = params * STATE_BYTES_PER_PARAM
+    activations = batch_size * seq_len * ACTIVATION_BYTES_PER_TOKEN
+    return ModelFigures(
+        params=int(params),
+        memory_gib=(state + activations) * MEMORY_OVERHEAD / 2**30,
+        flops_per_token=6.0 * params,
+        fragment_bytes=int(params) * 4 // max(1, fragments),
+    )
+
+
 @dataclass
 class PoolInfo:
     slug: str

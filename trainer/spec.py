@@ -28,7 +28,10 @@ class JobSpec(BaseModel):
     name: str = Field("demo", min_length=1, max_length=100)
     strategy: Strategy = "decoupled"
     model: str = Field("tiny", max_length=200, description="preset or package.module:factory")
-    dataset: str = Field("stdlib", max_length=500, description="'stdlib' or a path under a data root")
+    dataset: str = Field(
+        "stdlib", max_length=2000,
+        description="'stdlib', or absolute paths under a data root: a list, or one string split on commas",
+    )
     learners: int = Field(4, ge=1, le=64, description="M: number of learners")
     min_learners: int | None = Field(None, ge=1, le=64)
     max_learners: int | None = Field(None, ge=1, le=64)
@@ -79,10 +82,22 @@ class JobSpec(BaseModel):
             raise ValueError(f"must be one of {', '.join(MODEL_PRESETS)} or 'package.module:factory'")
         return v
 
+    @field_validator("dataset", mode="before")
+    @classmethod
+    def _dataset_list(cls, v: object) -> object:
+        """A list of paths is stored as the engine's comma-joined source string."""
+        if isinstance(v, list):
+            if not v or len(v) > 64 or not all(isinstance(p, str) and p.strip() for p in v):
+                raise ValueError("must be a list of 1 to 64 non-empty paths")
+            if any("," in p for p in v):
+                raise ValueError("a path in the list must not contain a comma")
+            return ",".join(p.strip() for p in v)
+        return v
+
     @field_validator("dataset")
     @classmethod
     def _dataset(cls, v: str) -> str:
-        if "\x00" in v or not v:
+        if "\x00" in v or not v.strip(",").strip():
             raise ValueError("must be 'stdlib' or a file path")
         return v
 

@@ -16,26 +16,15 @@ from apps.jobs.models import Learner
 from trainer.spec import JobSpec
 
 BUSY = [Learner.State.PENDING, Learner.State.STARTING, Learner.State.RUNNING]
-# Parameter counts of the model presets, used when trainer.models is not importable.
-_PRESET_PARAMS = {"tiny": 0.2e6, "small": 3e6, "base": 25e6}
 
 
 def model_figures(spec: JobSpec) -> tuple[float, float, int]:
-    """(memory GiB for training, FLOPs per token, fp32 bytes of one fragment) of the spec's model."""
-    params = None
-    try:
-        from trainer import models as tm  # the engine's model zoo
+    """(memory GiB for training, FLOPs per token, fp32 bytes of one fragment): the coordinator's
+    figures too (both call trainer.models.job_model_figures)."""
+    from trainer.models import job_model_figures
 
-        if spec.model in _PRESET_PARAMS and hasattr(tm, "build_model") and hasattr(tm, "param_count"):
-            params = float(tm.param_count(tm.build_model(spec.model, spec.seq_len, 0)))
-    except Exception:  # any failure falls back to the preset table
-        params = None
-    if params is None:
-        params = _PRESET_PARAMS.get(spec.model, 25e6)
-    # weights + grads + AdamW moments (fp32) + outer state, plus activations
-    act = spec.batch_size * spec.seq_len * 4 * 1024
-    memory_gib = (params * 4 * 5 + act) / 2**30
-    return memory_gib, 6.0 * params, int(params * 4 / max(1, spec.fragments))
+    f = job_model_figures(spec.model, spec.batch_size, spec.seq_len, spec.fragments)
+    return f.memory_gib, f.flops_per_token, f.fragment_bytes
 
 
 def pool_infos(spec: JobSpec) -> tuple[list[Any], list[str]]:

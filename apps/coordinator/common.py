@@ -42,14 +42,26 @@ def start_timeout() -> float:
     return float(getattr(settings, "LEARNER_START_TIMEOUT_S", 0) or max(20.0, 10 * hb_timeout()))
 
 
+def start_attempts() -> int:
+    """Failed starts in a row after which a learner's job fails instead of trying again."""
+    return max(1, int(getattr(settings, "LEARNER_START_ATTEMPTS", 5)))
+
+
+def start_backoff(failures: int) -> float:
+    """Seconds before the next start of a learner that failed `failures` times in a row."""
+    return min(60.0, 2.0 ** failures)
+
+
 def node_timeout() -> float:
     return max(15.0, 5 * hb_timeout())
 
 
 def job_spec(job):
-    from trainer.spec import JobSpec
+    """The job's spec, validated again with the platform's rules (model allow-list, data roots)
+    every time it is used, so a spec stored before a rule tightened cannot run code or read files."""
+    from apps.jobs.spec import validate_spec
 
-    return JobSpec.model_validate(job.spec)
+    return validate_spec(job.spec)
 
 
 def train_config(job):
@@ -69,9 +81,10 @@ def default_cache_dir() -> str:
 
 @functools.lru_cache(maxsize=4)
 def corpus(source: str, cache_dir: str | None):
+    """The job's corpus; every file read must lie inside settings.DATA_ROOTS (symlinks resolved)."""
     from trainer.data import Corpus
 
-    return Corpus.load(source, cache_dir=cache_dir)
+    return Corpus.load(source, cache_dir=cache_dir, roots=settings.DATA_ROOTS)
 
 
 def event(job, kind: str, message: str, payload: dict | None = None, pool=None):

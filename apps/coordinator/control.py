@@ -7,16 +7,27 @@ kicks reconcile_job on every user action. Recovery never waits for broker redeli
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from datetime import timedelta
 
-from django.db import transaction
-from django.db.models import Q
+from django.db import DatabaseError, transaction
+from django.db.models import F, Q
 
 from apps.inventory.models import Node, Pool
 from apps.jobs import state as st
 from apps.jobs.models import Event, Incident, Job, Learner
 
-from .common import event, hb_timeout, job_spec, log, now, start_timeout, syncer_timeout
+from .common import (
+    event,
+    hb_timeout,
+    job_spec,
+    log,
+    now,
+    start_attempts,
+    start_backoff,
+    start_timeout,
+    syncer_timeout,
+)
 from .dispatch import BUSY, choose_pool, dispatch, free_slots, mark_node_lost, place_job
 from .models import LearnerRuntime, SyncerLease
 
@@ -44,7 +55,41 @@ def reconcile(job_id: int) -> str:
     return job.status
 
 
+def fail_job(job: Job, reason: str) -> bool:
+    """Move `job` to failed with `reason` (shown by the dashboard, the API and the CLI)."""
+    try:
+        job.transition(st.FAILED, reason[:1000])
+    except st.IllegalTransition:
+        return False
+    event(job, Event.Kind.FAILED, f"job failed: {reason}"[:300], {"reason": reason[:1000]})
+    settle_terminal(job)
+    return True
+
+
+def _never_fits(job: Job, spec) -> str | None:
+    """Why the job cannot be placed even on an empty fleet of its pools (None: it can, later)."""
+    from trainer.placement import PlacementError, place
+
+    from .dispatch import model_figures, pool_infos
+
+    everything = dict(Pool.objects.values_list("slug", "device_count"))
+    infos = [dataclasses.replace(i, state="active") for i in pool_infos(job, everything)]
+    if not infos:
+        return None  # no pool yet: the job waits for the operator to add one
+    mem, flops, frag_bytes = model_figures(spec)
+    try:
+        place(spec.learners, infos, spec.objective, model_memory_gib=mem, model_flops_per_token=flops,
+              tokens_per_learner=spec.steps * spec.batch_size * spec.seq_len,
+              base_inner_steps=spec.inner_steps, fragment_bytes=frag_bytes, fragments=spec.fragments,
+              tokens_per_step=spec.batch_size * spec.seq_len)
+    except PlacementError as exc:
+        return str(exc)
+    return None
+
+
 def start_job(job: Job) -> str:
+    """QUEUED -> PLACING -> RUNNING; back to QUEUED while capacity is busy; FAILED when the job can
+    never run (its spec no longer validates, its model cannot be built, it fits on no pool)."""
     from trainer.placement import PlacementError
 
     with transaction.atomic():
@@ -56,9 +101,20 @@ def start_job(job: Job) -> str:
         place_job(job)
     except PlacementError as exc:
         job.refresh_from_db()
+        never = _never_fits(job, job_spec(job))
+        if never:
+            fail_job(job, f"cannot be placed on any pool: {never}")
+            return "failed"
         job.transition(st.QUEUED, f"waiting for capacity: {exc}")
         event(job, Event.Kind.INFO, f"placement failed: {exc}"[:300], {"reason": str(exc)})
         return "waiting for capacity"
+    except DatabaseError:
+        raise
+    except Exception as exc:  # the spec, the model factory or the data: the same next time
+        log.warning("job %s cannot be placed", job.pk, exc_info=True)
+        job.refresh_from_db()
+        fail_job(job, f"placement failed: {type(exc).__name__}: {exc}")
+        return "failed"
     job.refresh_from_db()
     job.transition(st.RUNNING, "learners placed")
     ensure_syncer(job)
@@ -84,8 +140,11 @@ def resume_placing(job: Job) -> str:
 
 def dispatch_pending(job: Job) -> int:
     n = 0
+    t = now()
     for learner in job.learners.select_related("pool", "runtime", "job").filter(state=Learner.State.PENDING):
         rt = getattr(learner, "runtime", None)
+        if rt is not None and rt.retry_after is not None and rt.retry_after > t:
+            continue  # backing off after failed starts
         target = rt.move_to if rt is not None and rt.move_to_id else None
         if target is not None and free_slots(exclude_learner=learner).get(target.slug, 0) <= 0:
             target = None
@@ -175,15 +234,15 @@ def watchdog() -> dict:
         | Q(state=Learner.State.STARTING, runtime__dispatched_at__lt=start_cut)
     )
     for learner in dead:
-        if lose_learner(learner, t):
+        if guarded(learner.job, lose_learner, learner, t):
             out["lost"] += 1
     for job in Job.objects.filter(status__in=ACTIVE):
         if job.status == st.RUNNING:
-            out["drained"] = out.get("drained", 0) + drain(job)
-            out["redispatched"] += dispatch_pending(job)
-            ensure_syncer(job)
+            out["drained"] = out.get("drained", 0) + (guarded(job, drain, job) or 0)
+            out["redispatched"] += guarded(job, dispatch_pending, job) or 0
+            guarded(job, ensure_syncer, job)
         else:
-            settle_pause(job)
+            guarded(job, settle_pause, job)
     # learners of jobs that ended or paused before they started
     Learner.objects.filter(state=Learner.State.PENDING, job__status__in=(*st.TERMINAL, st.PAUSED)) \
         .update(state=Learner.State.STOPPED)
@@ -192,10 +251,51 @@ def watchdog() -> dict:
                            runtime__dispatched_at__lt=start_cut).update(state=Learner.State.STOPPED)
     # jobs whose submit kick was lost
     for job in Job.objects.filter(status=st.QUEUED, updated_at__lt=t - timedelta(seconds=5))[:10]:
-        start_job(job)
+        guarded(job, start_job, job)
     for job in Job.objects.filter(status=st.PLACING, updated_at__lt=t - timedelta(seconds=10))[:10]:
-        resume_placing(job)
+        guarded(job, resume_placing, job)
     return out
+
+
+def guarded(job: Job, fn, *args):
+    """Run one job's part of a tick so that its failure never stops the tick for the others.
+
+    A database error is left for the next tick; anything else comes from the job itself (its
+    spec, model or data) and would happen again, so the job fails with the reason.
+    """
+    try:
+        return fn(*args)
+    except DatabaseError:
+        log.warning("tick: job %s: database error, retried next tick", job.pk, exc_info=True)
+    except Exception as exc:
+        log.warning("tick: job %s failed in %s", job.pk, getattr(fn, "__name__", fn), exc_info=True)
+        try:
+            job.refresh_from_db()
+            fail_job(job, f"{type(exc).__name__}: {exc}")
+        except Exception:
+            log.exception("tick: job %s could not be failed", job.pk)
+    return None
+
+
+def record_start_failure(learner: Learner, reason: str) -> bool:
+    """Count a failed start of `learner`; back off before the next one, or fail the job at the cap.
+
+    Returns True when the job was failed.
+    """
+    rt, _ = LearnerRuntime.objects.get_or_create(learner=learner)
+    LearnerRuntime.objects.filter(pk=rt.pk).update(start_failures=F("start_failures") + 1,
+                                                    last_error=reason[:300])
+    rt.refresh_from_db()
+    if rt.start_failures >= start_attempts():
+        job = Job.objects.get(pk=learner.job_id)
+        return fail_job(job, f"learner {learner.index} failed to start {rt.start_failures} times: {reason}")
+    wait = start_backoff(rt.start_failures)
+    LearnerRuntime.objects.filter(pk=rt.pk).update(retry_after=now() + timedelta(seconds=wait))
+    event(learner.job, Event.Kind.FAILED,
+          f"learner {learner.index} failed to start ({reason}); retry {rt.start_failures + 1} of "
+          f"{start_attempts()} in {wait:.0f} s"[:300],
+          {"learner": learner.index, "reason": reason[:300], "start_failures": rt.start_failures})
+    return False
 
 
 def push_control(job_id: int, index: int, payload: dict) -> None:
@@ -258,6 +358,8 @@ def lose_learner(learner: Learner, t) -> bool:
             details={"incarnation": learner.incarnation, "worker": rt.worker if rt else "",
                      "node": learner.node_id, "state": learner.state})
     mark_node_lost(learner.node_id, f"learner {learner.index} of job {learner.job_id} lost")
+    if not was_running:
+        record_start_failure(learner, f"no heartbeat within {start_timeout():.0f} s of its dispatch")
     event(learner.job, Event.Kind.FAILED,
           f"learner {learner.index}.{learner.incarnation} lost on {learner.pool}",
           {"learner": learner.index, "incarnation": learner.incarnation,

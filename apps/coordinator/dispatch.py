@@ -105,11 +105,12 @@ def measured_throughput(job) -> dict[str, float]:
 
 
 def model_figures(spec) -> tuple[float, float, int]:
-    from trainer.models import model_flops_per_token, model_memory_gib, model_params
+    """(memory GiB, FLOPs per token, fragment bytes): the dry run's figures too
+    (both call trainer.models.job_model_figures)."""
+    from trainer.models import job_model_figures
 
-    params = model_params(spec.model, spec.seq_len)
-    return model_memory_gib(spec.model, spec.seq_len), model_flops_per_token(spec.model, spec.seq_len), \
-        params * 4 // max(1, spec.fragments)
+    f = job_model_figures(spec.model, spec.batch_size, spec.seq_len, spec.fragments)
+    return f.memory_gib, f.flops_per_token, f.fragment_bytes
 
 
 def place_job(job) -> list[Learner]:

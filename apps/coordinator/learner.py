@@ -12,7 +12,7 @@ import socket
 from datetime import timedelta
 
 import torch
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections
 from django.db.models import F
 
 from apps.inventory.models import Node
@@ -21,6 +21,7 @@ from apps.jobs.models import Incident, Learner
 from trainer.runtime.learner_loop import Control, Fenced, LearnerLoop
 
 from .common import corpus, hb_interval, log, now, publish, store, train_config
+from .control import record_start_failure
 from .models import LearnerRuntime
 
 _clients: dict = {}
@@ -185,6 +186,33 @@ class DjangoHost:
             self.client.send(msg)
 
 
+def _start(job, learner: Learner, index: int, incarnation: int, worker: str) -> LearnerLoop:
+    """Everything a learner does before its first step: config, data, model, resume point."""
+    from trainer.learner import Learner as EngineLearner
+
+    config = train_config(job)
+    data = corpus(config.dataset, config.cache_dir)
+    spec = job.spec
+    shards = max(int(spec.get("max_learners") or 0), int(spec.get("learners") or 1), index + 1)
+    engine = EngineLearner(config, index, incarnation=incarnation, corpus=data, job=str(job.pk),
+                           num_learners=shards)
+    if learner.work_size:
+        engine.set_work_size(learner.work_size)
+    host = DjangoHost(learner, incarnation, worker)
+    loop = LearnerLoop(
+        engine, store(), job=job.pk, index=index, incarnation=incarnation, host=host,
+        compression=learner.wire_dtype or config.compression, heartbeat_interval=hb_interval(),
+        # a checkpoint follows a contribution batch at most every 2 heartbeats: each one copies
+        # and writes ~5x the model (weights, AdamW moments, bases); a successor resuming from an
+        # older one recomputes a little, and the ledger refuses any overlap with what was applied
+        poll_interval=min(0.25, hb_interval()), checkpoint_interval=max(1.0, 2 * hb_interval()),
+        speed_factor=learner.pool.speed_factor if learner.pool else 1.0,
+        syncer_shards=int(spec.get("syncer_shards") or 1),
+    )
+    loop.resume()
+    return loop
+
+
 def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | None = None) -> str:
     torch.set_num_threads(1)
     close_old_connections()
@@ -207,29 +235,23 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
     Learner.objects.filter(pk=learner.pk, incarnation=incarnation).update(node=node, started_at=now())
     LearnerRuntime.objects.update_or_create(learner=learner, defaults={"worker": worker, "pid": os.getpid()})
 
-    from trainer.learner import Learner as EngineLearner
-
-    config = train_config(job)
-    data = corpus(config.dataset, config.cache_dir)
-    spec = job.spec
-    shards = max(int(spec.get("max_learners") or 0), int(spec.get("learners") or 1), index + 1)
-    engine = EngineLearner(config, index, incarnation=incarnation, corpus=data, job=str(job_id),
-                           num_learners=shards)
-    if learner.work_size:
-        engine.set_work_size(learner.work_size)
-    host = DjangoHost(learner, incarnation, worker)
-    loop = LearnerLoop(
-        engine, store(), job=job_id, index=index, incarnation=incarnation, host=host,
-        compression=learner.wire_dtype or config.compression, heartbeat_interval=hb_interval(),
-        # a checkpoint follows a contribution batch at most every 2 heartbeats: each one copies
-        # and writes ~5x the model (weights, AdamW moments, bases); a successor resuming from an
-        # older one recomputes a little, and the ledger refuses any overlap with what was applied
-        poll_interval=min(0.25, hb_interval()), checkpoint_interval=max(1.0, 2 * hb_interval()),
-        speed_factor=learner.pool.speed_factor if learner.pool else 1.0,
-        syncer_shards=int(spec.get("syncer_shards") or 1),
-    )
     try:
-        loop.resume()
+        loop = _start(job, learner, index, incarnation, worker)
+    except Fenced as exc:
+        return f"fenced: {exc}"
+    except DatabaseError:
+        raise
+    except Exception as exc:  # its spec, model or data: counted, backed off, capped (control)
+        log.warning("learner %s.%s of job %s failed to start", index, incarnation, job_id, exc_info=True)
+        n = Learner.objects.filter(pk=learner.pk, incarnation=incarnation,
+                                   state__in=(Learner.State.STARTING, Learner.State.RUNNING)) \
+            .update(state=Learner.State.PENDING)
+        if n:
+            record_start_failure(learner, f"{type(exc).__name__}: {exc}")
+        return "failed to start"
+    LearnerRuntime.objects.filter(learner_id=learner.pk).update(start_failures=0, retry_after=None)
+    host, engine = loop.host, loop.learner
+    try:
         result = loop.run()
     except Fenced as exc:
         return f"fenced: {exc}"

@@ -66,6 +66,10 @@ class LearnerRuntime(models.Model):
                   "older incarnations' contributions are accepted only up to frag_pos")
     tokens_computed = models.BigIntegerField(default=0, help_text="all incarnations together")
     tokens_lost = models.BigIntegerField(default=0)
+    start_failures = models.PositiveIntegerField(
+        default=0, help_text="failed starts in a row (reset by a start that works); the job fails at the cap")
+    last_error = models.CharField(max_length=300, blank=True)
+    retry_after = models.DateTimeField(null=True, blank=True, help_text="back-off: no dispatch before")
     updated_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

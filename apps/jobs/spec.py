@@ -1,4 +1,10 @@
-"""Platform-side spec validation: the shared schema plus checks that need settings."""
+"""Platform-side spec validation: the shared schema plus checks that need settings.
+
+Two fields of a spec could make the platform run code or read files: `model` (a
+`module:function` factory is imported and called by the coordinator and the workers) and
+`dataset` (paths read by the workers). Both are held to what the operator allowed:
+factories from `settings.MODEL_FACTORIES` only, files inside `settings.DATA_ROOTS` only.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +13,10 @@ from typing import Any
 from django.conf import settings
 from pydantic import ValidationError
 
-from trainer.spec import JobSpec, spec_errors
+from trainer.data import inside_roots, split_source
+from trainer.spec import MODEL_PRESETS, JobSpec, spec_errors
+
+_GLOB_CHARS = "*?["
 
 
 class SpecError(ValueError):
@@ -18,15 +27,38 @@ class SpecError(ValueError):
         self.errors = errors
 
 
-def dataset_allowed(dataset: str) -> bool:
-    """'stdlib', or a path that resolves inside one of settings.DATA_ROOTS."""
-    if dataset == "stdlib":
+def model_allowed(model: str) -> bool:
+    """A preset, or a factory the operator listed in settings.MODEL_FACTORIES."""
+    return model in MODEL_PRESETS or model in set(getattr(settings, "MODEL_FACTORIES", []) or [])
+
+
+def _part_allowed(part: str, roots: list[Path]) -> bool:
+    if part == "stdlib":
         return True
-    try:
-        path = Path(dataset).resolve()
-    except (OSError, RuntimeError, ValueError):
+    if not Path(part).is_absolute() or ".." in Path(part).parts:
         return False
-    return any(path == root or root in path.parents for root in settings.DATA_ROOTS)
+    # a glob is checked on its fixed prefix here; the files it matches are checked again,
+    # symlinks resolved, when the worker reads them (trainer.data.resolve_files(roots=...))
+    fixed = Path(part)
+    while any(ch in fixed.name for ch in _GLOB_CHARS):
+        fixed = fixed.parent
+    return inside_roots(fixed, roots)
+
+
+def dataset_problem(dataset: str) -> str | None:
+    """Why `dataset` may not be read, or None. Split exactly as the engine splits it."""
+    parts = split_source(dataset)
+    if not parts:
+        return "must name at least one source"
+    roots = [Path(r).resolve() for r in settings.DATA_ROOTS]
+    for part in parts:
+        if any(ord(ch) < 32 for ch in part):
+            return f"{part!r}: control characters are not allowed in a path"
+        if not _part_allowed(part, roots):
+            where = ", ".join(str(r) for r in roots) or "none configured"
+            return (f"{part!r} is not 'stdlib' or an absolute path inside a data root ({where}); "
+                    "'..' is not allowed")
+    return None
 
 
 def validate_spec(data: Any) -> JobSpec:
@@ -37,7 +69,13 @@ def validate_spec(data: Any) -> JobSpec:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(spec_errors(exc)) from None
-    if not dataset_allowed(spec.dataset):
-        roots = ", ".join(str(r) for r in settings.DATA_ROOTS)
-        raise SpecError({"dataset": [f"must be 'stdlib' or a path under a data root ({roots})"]})
+    errors: dict[str, list[str]] = {}
+    if not model_allowed(spec.model):
+        errors["model"] = [f"{spec.model!r} is not allowed here: use a preset ({', '.join(MODEL_PRESETS)}) "
+                           "or a factory the operator lists in MODEL_FACTORIES"]
+    problem = dataset_problem(spec.dataset)
+    if problem:
+        errors["dataset"] = [problem]
+    if errors:
+        raise SpecError(errors)
     return spec

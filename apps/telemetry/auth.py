@@ -8,16 +8,18 @@ from django.conf import settings
 
 
 def coordinator_token() -> str:
-    """`COORDINATOR_TOKEN` from the environment; when unset, derived from SECRET_KEY.
+    """The coordinator's token: `COORDINATOR_TOKEN`, else the random one settings made in var/.
 
-    Every process of one deployment shares SECRET_KEY (the embedded default uses the built-in
-    development key), so the coordinator and the web server agree without extra setup, and
-    nobody without the SECRET_KEY can compute it.
+    Never derived from SECRET_KEY, so knowing (or guessing) the key gives no way onto the
+    agent socket as the coordinator.
     """
-    explicit = getattr(settings, "COORDINATOR_TOKEN", "") or ""
-    if explicit:
-        return explicit
-    key = (settings.SECRET_KEY or "").encode()
-    if not key:
-        return ""
-    return "ct_" + hmac.new(key, b"diloco-coordinator-token", hashlib.sha256).hexdigest()
+    return getattr(settings, "COORDINATOR_TOKEN", "") or ""
+
+
+def is_coordinator_token(presented: str) -> bool:
+    """Constant-time check of a presented token against the coordinator's (compared as hashes)."""
+    expected = coordinator_token()
+    if not expected or not presented:
+        return False
+    return hmac.compare_digest(hashlib.sha256(presented.encode()).digest(),
+                               hashlib.sha256(expected.encode()).digest())
