@@ -23,7 +23,7 @@ env = environ.Env(
 DEBUG = env("DEBUG")
 # The embedded default (no DATABASE_URL: SQLite under var/) is one host: its secrets are random,
 # made once into var/ and shared by its processes. Any other start must be given SECRET_KEY.
-EMBEDDED = not env.str("DATABASE_URL", default="")
+EMBEDDED = not env.str("DATABASE_URL", default="") and not env.bool("DILOCO_PRODUCTION", default=False)
 
 
 def _local_secret(name: str) -> str:
@@ -55,7 +55,7 @@ if not SECRET_KEY:
         from django.core.exceptions import ImproperlyConfigured
 
         raise ImproperlyConfigured(
-            "SECRET_KEY is not set: set it (python -c 'import secrets; print(secrets.token_urlsafe(50))'); "
+            "SECRET_KEY must be set (python -c 'import secrets; print(secrets.token_urlsafe(50))'); "
             "only the embedded default (no DATABASE_URL) makes its own, in var/secret_key"
         )
     SECRET_KEY = _local_secret("secret_key")

@@ -3,11 +3,16 @@
 Both travel as `Authorization: Bearer <key>` (`Token <key>` is accepted too). A personal
 token starts with `dl_`, a pool token with `pt_`; each authenticator only looks at its own
 kind, so a pool token never signs in as a user and a user token never acts as a worker.
+
+`issue_token` holds the rules for new personal tokens, for the API and the dashboard alike.
 """
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
@@ -16,6 +21,34 @@ from apps.inventory.models import Pool, PoolToken
 from .models import TOKEN_PREFIX, ApiToken
 
 _KEYWORDS = (b"bearer", b"token")
+
+MAX_ACTIVE_TOKENS = 50
+
+
+class TokenRefused(ValueError):
+    """A new token would break a rule; the message says which, for the user."""
+
+
+def issue_token(user, name: str, expires_at: datetime | None = None,
+                minted_by: ApiToken | None = None) -> tuple[ApiToken, str]:
+    """Issue a personal token: (row, raw key), or TokenRefused.
+
+    A user holds at most MAX_ACTIVE_TOKENS active (neither revoked nor expired) tokens, so a
+    leaked session cannot scatter credentials without bound. A token minted with another token
+    (`minted_by`) expires no later than that one: a short-lived CI token cannot launder itself
+    into a permanent one. The user's row is locked while counting, so concurrent requests
+    cannot overshoot the cap.
+    """
+    if minted_by is not None and minted_by.expires_at is not None:
+        expires_at = min(expires_at or minted_by.expires_at, minted_by.expires_at)
+    with transaction.atomic():
+        get_user_model().objects.select_for_update().filter(pk=user.pk).exists()  # lock the user row
+        now = timezone.now()
+        active = ApiToken.objects.filter(user=user, revoked_at__isnull=True).filter(
+            Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        if active.count() >= MAX_ACTIVE_TOKENS:
+            raise TokenRefused(f"You already have {MAX_ACTIVE_TOKENS} active tokens; revoke some.")
+        return ApiToken.issue(user, name, expires_at=expires_at)
 
 
 def _raw_key(request) -> str | None:

@@ -3,10 +3,15 @@
 Rates are read on every request (not at import as DRF's SimpleRateThrottle does), so a
 settings override in tests or a reloaded config takes effect at once. The counters live
 in the default cache (Redis when REDIS_URL is set, shared by every web process).
+
+The dashboard's sign-in and new-job pages apply these same classes through `throttle_wait`,
+so a browser and an API client draw on one allowance: there is one policy, not two.
 """
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Iterable
 
 from rest_framework.settings import api_settings
 from rest_framework.throttling import SimpleRateThrottle
@@ -32,7 +37,8 @@ class AuthUsernameThrottle(_LiveRateThrottle):
     scope = "auth_user"
 
     def get_cache_key(self, request, view):
-        data = request.data
+        # a DRF request parses any body into .data; a plain Django one (the dashboard's form) has .POST
+        data = request.data if hasattr(request, "data") else request.POST
         username = data.get("username") if isinstance(data, dict) else None
         if not isinstance(username, str) or not username:
             return None
@@ -53,3 +59,19 @@ class JobCreateThrottle(_LiveRateThrottle):
     def get_cache_key(self, request, view):
         ident = request.user.pk if request.user and request.user.is_authenticated else self.get_ident(request)
         return self.cache_format % {"scope": self.scope, "ident": ident}
+
+
+AUTH_THROTTLES = (AuthRateThrottle, AuthUsernameThrottle)
+JOB_CREATE_THROTTLES = (JobCreateThrottle,)
+
+
+def throttle_wait(request, throttles: Iterable[type[SimpleRateThrottle]]) -> int | None:
+    """Count this request against `throttles` as a DRF view would (same rates, same cache keys).
+
+    For views outside DRF (the dashboard). None when the request may go on, else the whole
+    seconds to wait, for a Retry-After header and the message.
+    """
+    waits = [t.wait() for t in (cls() for cls in throttles) if not t.allow_request(request, None)]
+    if not waits:
+        return None
+    return max(1, math.ceil(max((w for w in waits if w is not None), default=1)))

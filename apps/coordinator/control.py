@@ -143,6 +143,10 @@ def dispatch_pending(job: Job) -> int:
     t = now()
     for learner in job.learners.select_related("pool", "runtime", "job").filter(state=Learner.State.PENDING):
         rt = getattr(learner, "runtime", None)
+        if rt is not None and rt.start_failures >= start_attempts():
+            fail_job(job, f"learner {learner.index} failed to start {rt.start_failures} times: "
+                          f"{rt.last_error}")
+            return n
         if rt is not None and rt.retry_after is not None and rt.retry_after > t:
             continue  # backing off after failed starts
         target = rt.move_to if rt is not None and rt.move_to_id else None
@@ -278,24 +282,23 @@ def guarded(job: Job, fn, *args):
 
 
 def record_start_failure(learner: Learner, reason: str) -> bool:
-    """Count a failed start of `learner`; back off before the next one, or fail the job at the cap.
+    """Count a failed start of `learner` and back off before the next one.
 
-    Returns True when the job was failed.
+    Returns True when the count reached the cap; the coordinator's next look at the job
+    (dispatch_pending) then fails it, so a pool worker never writes a job's state itself.
     """
     rt, _ = LearnerRuntime.objects.get_or_create(learner=learner)
     LearnerRuntime.objects.filter(pk=rt.pk).update(start_failures=F("start_failures") + 1,
                                                     last_error=reason[:300])
     rt.refresh_from_db()
-    if rt.start_failures >= start_attempts():
-        job = Job.objects.get(pk=learner.job_id)
-        return fail_job(job, f"learner {learner.index} failed to start {rt.start_failures} times: {reason}")
     wait = start_backoff(rt.start_failures)
     LearnerRuntime.objects.filter(pk=rt.pk).update(retry_after=now() + timedelta(seconds=wait))
+    capped = rt.start_failures >= start_attempts()
     event(learner.job, Event.Kind.FAILED,
-          f"learner {learner.index} failed to start ({reason}); retry {rt.start_failures + 1} of "
-          f"{start_attempts()} in {wait:.0f} s"[:300],
+          f"learner {learner.index} failed to start ({reason})"
+          + ("" if capped else f"; retry {rt.start_failures + 1} of {start_attempts()} in {wait:.0f} s"),
           {"learner": learner.index, "reason": reason[:300], "start_failures": rt.start_failures})
-    return False
+    return capped
 
 
 def push_control(job_id: int, index: int, payload: dict) -> None:

@@ -1,4 +1,5 @@
-"""The /jobs/new form, built from the one job-spec schema (trainer.spec.JobSpec).
+"""The /jobs/new form, built from the one job-spec schema (trainer.spec.JobSpec), and the
+API-token forms.
 
 The Django form only carries the values; the schema validates them (apps.jobs.spec),
 so the dashboard shows the same messages as the API and the CLI, each under its field.
@@ -7,10 +8,12 @@ from __future__ import annotations
 
 import types
 import typing
+from datetime import datetime, timedelta
 from typing import Any
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen
 from django import forms
+from django.utils import timezone
 
 from apps.inventory.models import Pool
 from apps.jobs.access import team_names
@@ -98,6 +101,15 @@ class JobSpecForm(forms.Form):
                 label="Team", help_text="members of this team see and act on the job too")
         self.spec: JobSpec | None = None
 
+    @classmethod
+    def unchecked(cls, data, user=None) -> JobSpecForm:
+        """An unbound form showing `data` again, without validating it (a throttled request:
+        validation and the dry run are the work being limited)."""
+        form = cls(user=user)
+        form.initial = {name: data.getlist(name) if isinstance(field, forms.MultipleChoiceField)
+                        else data.get(name) for name, field in form.fields.items() if name in data}
+        return form
+
     def fieldsets(self) -> list[tuple[str, list[forms.BoundField]]]:
         seen: set[str] = set()
         out = []
@@ -141,3 +153,26 @@ class JobSpecForm(forms.Form):
                 for msg in messages:
                     self.add_error(target if target in self.fields else None, msg)
         return cleaned
+
+
+_DAYS_ERROR = "Expiry must be a number of days between 1 and 3650, or empty for none."
+
+
+class TokenCreateForm(forms.Form):
+    """A new personal API token; the issuing rules (cap, expiry) are apps.api.authentication's."""
+
+    name = forms.CharField(max_length=60, error_messages={
+        "required": "Give the token a name of 1 to 60 characters.",
+        "max_length": "Give the token a name of 1 to 60 characters."})
+    days = forms.IntegerField(min_value=1, max_value=3650, required=False, error_messages=dict.fromkeys(
+        ("invalid", "min_value", "max_value"), _DAYS_ERROR))
+
+    def expires_at(self) -> datetime | None:
+        days = self.cleaned_data.get("days")
+        return timezone.now() + timedelta(days=days) if days else None
+
+
+class TokenRevokeForm(forms.Form):
+    """Which token to revoke: a row id (bounded, so a huge number is an error, not a database one)."""
+
+    token = forms.IntegerField(min_value=1, max_value=2**63 - 1)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import io
 import logging
 from collections import defaultdict
-from datetime import timedelta
 
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.db.models import Count, Q
@@ -17,6 +17,9 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from apps.api.authentication import TokenRefused, issue_token
+from apps.api.models import ApiToken
+from apps.api.throttling import AUTH_THROTTLES, JOB_CREATE_THROTTLES, throttle_wait
 from apps.coordinator.models import SyncerLease
 from apps.inventory.models import Node, Pool
 from apps.jobs import access, services
@@ -25,7 +28,7 @@ from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, OuterSte
 from apps.jobs.spec import SpecError
 
 from . import data
-from .forms import JobSpecForm
+from .forms import JobSpecForm, TokenCreateForm, TokenRevokeForm
 from .preview import dry_run
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,39 @@ SPARK_RECENT = 2000  # sparklines show the newest points of each series
 SPARK_JOBS = 12
 TIMELINE_LIMIT = 200
 OUTER_STEPS_FOR_HEALTH = 50
+
+
+def _throttled(response: HttpResponse, wait: int) -> HttpResponse:
+    response.status_code = 429
+    response["Retry-After"] = str(wait)
+    return response
+
+
+class LoginView(auth_views.LoginView):
+    """Sign-in under the API's lock-out: every attempt counts against the client address and
+    the username (apps.api.throttling.AUTH_THROTTLES), on the same counters as
+    POST /api/v1/auth/token/, so the two doors share one allowance. A locked-out attempt
+    is not checked at all, right password or not."""
+
+    def post(self, request, *args, **kwargs):
+        wait = throttle_wait(request, AUTH_THROTTLES)
+        if wait is None:
+            return super().post(request, *args, **kwargs)
+        context = self.get_context_data(form=self.get_form_class()(request))  # unbound: no password check
+        context["locked_out"] = f"Too many sign-in attempts; try again in {wait} s."
+        return _throttled(self.render_to_response(context), wait)
+
+
+def admin_login(request, *args, **kwargs):
+    """The admin's sign-in under the same lock-out as the dashboard's and the API's."""
+    from django.contrib import admin
+
+    if request.method == "POST":
+        wait = throttle_wait(request, AUTH_THROTTLES)
+        if wait is not None:
+            return _throttled(HttpResponse(f"Too many sign-in attempts; try again in {wait} s.\n",
+                                           content_type="text/plain"), wait)
+    return admin.site.login(request, *args, **kwargs)
 
 
 def _publish_fleet(msg: dict) -> None:
@@ -107,7 +143,7 @@ def pool_detail(request, slug):
         state__in=[Learner.State.DONE, Learner.State.REMOVED, Learner.State.STOPPED]).select_related(
         "job", "node").order_by("job_id", "index")
     learners = learners.filter(access.job_access_q(request.user, "job__"))
-    events = Event.objects.filter(pool=pool).order_by("-time")[:50]
+    events = Event.objects.filter(access.job_or_fleet_q(request.user), pool=pool).order_by("-time")[:50]
     return render(request, "dashboard/pool.html", {
         "pool": pool,
         "rows": data.pool_rows([pool]),
@@ -179,7 +215,14 @@ def job_list(request):
 
 @login_required
 def job_new(request):
+    """The new-job form. Dry runs and submissions count against the API's job_create rate
+    (apps.api.throttling.JOB_CREATE_THROTTLES, the same per-user counter)."""
     preview = None
+    if request.method == "POST" and (wait := throttle_wait(request, JOB_CREATE_THROTTLES)) is not None:
+        return _throttled(render(request, "dashboard/job_new.html", {
+            "form": JobSpecForm.unchecked(request.POST, user=request.user), "preview": None, "nav": "new",
+            "throttled": f"Too many dry runs and submissions; try again in {wait} s.",
+        }), wait)
     if request.method == "POST":
         form = JobSpecForm(request.POST, user=request.user)
         if form.is_valid():
@@ -295,6 +338,7 @@ def job_detail(request, pk):
     outer_steps = _recent_outer_steps(job)
     health, health_steps = _contribution_health(outer_steps, learners)
     goodput = job.tokens_contributed / job.tokens_computed if job.tokens_computed else None
+    actions = st.allowed_actions(job.status)
     return render(request, "dashboard/job.html", {
         "job": job,
         "spec": job.spec,
@@ -307,9 +351,9 @@ def job_detail(request, pk):
         "chart_data": chart_data,
         "pools_here": pools_here,
         "goodput": goodput,
-        "can_cancel": st.CANCELLED in st.TRANSITIONS[job.status],
-        "can_pause": st.PAUSING in st.TRANSITIONS[job.status],
-        "can_resume": job.status == st.PAUSED,
+        "can_cancel": "cancel" in actions,
+        "can_pause": "pause" in actions,
+        "can_resume": "resume" in actions,
         "nav": "jobs",
     })
 
@@ -330,20 +374,17 @@ def job_checkpoints(request, pk):
                   {"job": job, "checkpoints": list(job.checkpoints.order_by("-version")[:50])})
 
 
-ACTIONS = {"cancel": services.cancel_job, "pause": services.pause_job, "resume": services.resume_job}
-
-
 @login_required
 @require_POST
 def job_action(request, pk, action):
+    """Cancel, pause or resume: the same service and rules as the API (st.USER_ACTIONS)."""
     job = get_object_or_404(data.visible_jobs(request.user), pk=pk)
-    fn = ACTIONS.get(action)
-    if fn is None:
+    if action not in st.USER_ACTIONS:
         raise Http404("unknown action")
     try:
-        fn(job, reason=f"{action} by {request.user.username} from the dashboard")
+        services.act(job, action, reason=f"{action} by {request.user.username} from the dashboard")
     except st.IllegalTransition as exc:
-        messages.error(request, f"Cannot {action} job #{job.pk}: {exc}")
+        messages.error(request, f"Job #{job.pk}: {exc}")
     else:
         messages.success(request, f"Job #{job.pk}: {action} requested.")
     return redirect("dashboard:job", pk=job.pk)
@@ -375,31 +416,34 @@ def checkpoint_download(request, pk, version):
 # --------------------------------------------------------------------------- API tokens
 @login_required
 def tokens(request):
-    """Personal API tokens (CLI, CI pipelines): create (the key is shown once) and revoke."""
-    from apps.api.models import ApiToken
+    """Personal API tokens (CLI, CI pipelines): create (the key is shown once) and revoke.
 
+    Issued under the API's rules (apps.api.authentication.issue_token). Bad input re-renders
+    the page with the reason, like the other forms here.
+    """
     new_key = None
     if request.method == "POST":
-        if request.POST.get("action") == "revoke":
-            tok = get_object_or_404(ApiToken, pk=request.POST.get("token") or 0, user=request.user)
-            tok.revoke()
-            messages.success(request, f"Token “{tok.name}” revoked.")
-            return redirect("dashboard:tokens")
-        name = request.POST.get("name", "").strip()
-        days = request.POST.get("days", "").strip()
-        error = None
-        if not name or len(name) > 60:
-            error = "Give the token a name of 1 to 60 characters."
-        expires_at = None
-        if not error and days:
-            if not days.isdigit() or not 1 <= int(days) <= 3650:
-                error = "Expiry must be a number of days between 1 and 3650, or empty for none."
+        action = request.POST.get("action", "create")
+        if action == "revoke":
+            form = TokenRevokeForm(request.POST)
+            if form.is_valid():
+                tok = get_object_or_404(ApiToken, pk=form.cleaned_data["token"], user=request.user)
+                tok.revoke()
+                messages.success(request, f"Token “{tok.name}” revoked.")
+                return redirect("dashboard:tokens")
+            messages.error(request, "That is not one of your tokens.")
+        elif action == "create":
+            form = TokenCreateForm(request.POST)
+            if form.is_valid():
+                try:
+                    _, new_key = issue_token(request.user, form.cleaned_data["name"],
+                                             expires_at=form.expires_at())
+                except TokenRefused as exc:
+                    messages.error(request, str(exc))
             else:
-                expires_at = timezone.now() + timedelta(days=int(days))
-        if error:
-            messages.error(request, error)
+                messages.error(request, " ".join(m for errs in form.errors.values() for m in errs))
         else:
-            _, new_key = ApiToken.issue(request.user, name=name, expires_at=expires_at)
+            messages.error(request, f"Unknown action {action[:40]!r}.")
     rows = list(ApiToken.objects.filter(user=request.user).order_by("-created_at")[:100])
     return render(request, "dashboard/tokens.html", {"tokens": rows, "new_key": new_key, "nav": "tokens"},
                   status=201 if new_key else 200)

@@ -29,6 +29,14 @@ def job_access_q(user, prefix: str = "") -> Q:
     return own | (Q(**{f"{prefix}team__in": teams}) & ~Q(**{f"{prefix}team": ""}))
 
 
+def job_or_fleet_q(user) -> Q:
+    """Q over rows with an optional job (events, incidents): those of jobs this user may see,
+    plus the fleet's own (no job), which every signed-in user may read. Staff see all."""
+    if getattr(user, "is_staff", False):
+        return Q()
+    return Q(job__isnull=True) | job_access_q(user, "job__")
+
+
 def visible_jobs(user, queryset: QuerySet[Job] | None = None) -> QuerySet[Job]:
     """Staff see every job; everyone else their own and their teams'."""
     qs = Job.objects.all() if queryset is None else queryset

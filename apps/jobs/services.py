@@ -61,19 +61,25 @@ def submit_job(owner, spec_data: Any, idempotency_key: str | None = None, team: 
     return job, True
 
 
-def cancel_job(job: Job, reason: str = "cancelled by user") -> Job:
-    job.transition(st.CANCELLED, reason)
-    _kick_coordinator(job.pk)
+def act(job: Job, action: str, reason: str) -> Job:
+    """Carry out a user's action ("cancel", "pause", "resume") under st.USER_ACTIONS, or raise
+    IllegalAction. The status is read under the row lock that Job.transition takes again, so a
+    stale `job` (a page rendered a while ago) cannot resume a job the runtime moved on since."""
+    with transaction.atomic():
+        current = Job.objects.select_for_update().values_list("status", flat=True).get(pk=job.pk)
+        target = st.check_action(action, current)
+        job.transition(target, reason)
+        _kick_coordinator(job.pk)
     return job
+
+
+def cancel_job(job: Job, reason: str = "cancelled by user") -> Job:
+    return act(job, "cancel", reason)
 
 
 def pause_job(job: Job, reason: str = "paused by user") -> Job:
-    job.transition(st.PAUSING, reason)
-    _kick_coordinator(job.pk)
-    return job
+    return act(job, "pause", reason)
 
 
 def resume_job(job: Job, reason: str = "resumed by user") -> Job:
-    job.transition(st.PLACING, reason)
-    _kick_coordinator(job.pk)
-    return job
+    return act(job, "resume", reason)

@@ -32,7 +32,7 @@ def test_services_start_without_secret_key_refuses_with_one_line(tmp_path):
     res = _run(tmp_path, DATABASE_URL="postgres://postgres@127.0.0.1:5432/nowhere")
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
-    assert "SECRET_KEY is not set" in last
+    assert "SECRET_KEY must be set" in last
 
 
 def test_embedded_default_makes_a_random_key_once_and_reuses_it(tmp_path):

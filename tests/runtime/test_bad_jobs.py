@@ -123,8 +123,12 @@ def test_learner_start_failures_back_off_then_fail_the_job(owner, pools, setting
     assert control.dispatch_pending(job) == 0  # backing off
     LearnerRuntime.objects.filter(pk=rt.pk).update(retry_after=timezone.now() - timedelta(seconds=1))
     assert control.dispatch_pending(job) == 1
+    Learner.objects.filter(pk=learner.pk).update(state=Learner.State.PENDING)  # as run_learner_body does
     assert control.record_start_failure(learner, "ValueError: no such file") is False
     assert control.record_start_failure(learner, "ValueError: no such file") is True
+    job.refresh_from_db()
+    assert job.status == st.RUNNING  # the worker only counts; the coordinator fails the job
+    control.watchdog()
     job.refresh_from_db()
     assert job.status == st.FAILED
     assert "failed to start 3 times" in job.status_reason and "no such file" in job.status_reason

@@ -14,20 +14,20 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from .. import serializers as s
-from ..authentication import ApiTokenAuthentication
+from ..authentication import ApiTokenAuthentication, TokenRefused, issue_token
 from ..models import ApiToken
 from ..permissions import IsPerson
-from ..throttling import AuthRateThrottle, AuthUsernameThrottle
-
-MAX_ACTIVE_TOKENS = 50
+from ..throttling import AUTH_THROTTLES
 
 
-def _issue(user, data) -> Response:
-    if ApiToken.objects.filter(user=user, revoked_at__isnull=True).count() >= MAX_ACTIVE_TOKENS:
-        raise ValidationError({"name": [f"You already have {MAX_ACTIVE_TOKENS} active tokens; revoke some."]})
+def _issue(user, data, minted_by: ApiToken | None = None) -> Response:
+    """A new token under the shared rules (apps.api.authentication.issue_token)."""
     days = data.get("expires_in_days")
     expires = timezone.now() + timedelta(days=days) if days else None
-    tok, raw = ApiToken.issue(user, data.get("name") or "cli", expires_at=expires)
+    try:
+        tok, raw = issue_token(user, data.get("name") or "cli", expires_at=expires, minted_by=minted_by)
+    except TokenRefused as exc:
+        raise ValidationError({"name": [str(exc)]}) from None
     tok.token = raw
     return Response(s.ApiTokenCreatedSerializer(tok).data, status=status.HTTP_201_CREATED)
 
@@ -37,7 +37,7 @@ class ObtainTokenView(APIView):
 
     authentication_classes = [ApiTokenAuthentication]
     permission_classes = [AllowAny]
-    throttle_classes = [AuthRateThrottle, AuthUsernameThrottle]
+    throttle_classes = list(AUTH_THROTTLES)
 
     @extend_schema(request=s.TokenCreateSerializer,
                    responses={201: s.ApiTokenCreatedSerializer, 400: OpenApiTypes.OBJECT,
@@ -72,11 +72,13 @@ class ApiTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.D
 
     @extend_schema(request=s.TokenCreateSerializer, responses={201: s.ApiTokenCreatedSerializer})
     def create(self, request):
+        """Signed in with a token, the new one expires no later than it (capped, see expires_at)."""
         ser = s.TokenCreateSerializer(data=request.data)
         ser.is_valid(raise_exception=True)
         if ser.validated_data.get("username") or ser.validated_data.get("password"):
             raise ValidationError({"password": ["Not used here: you are signed in already."]})
-        return _issue(request.user, ser.validated_data)
+        minted_by = request.auth if isinstance(request.auth, ApiToken) else None
+        return _issue(request.user, ser.validated_data, minted_by=minted_by)
 
     def perform_destroy(self, instance):
         instance.revoke()
