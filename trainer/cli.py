@@ -104,7 +104,8 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--max-staleness", type=int, default=d.max_staleness)
     t.add_argument("--grace-cap", type=float, default=d.grace_cap_s, help="seconds")
     t.add_argument("--fragment-mode", choices=FRAGMENT_MODES, default=d.fragment_mode)
-    t.add_argument("--rda", action="store_true", help="radial-directional averaging")
+    t.add_argument("--rda", action=argparse.BooleanOptionalAction, default=d.rda,
+                   help="radial-directional averaging of the merged pseudo-gradients (default on)")
     t.add_argument("--mix-alpha", type=float, default=d.mix_alpha)
     t.add_argument("--eval-every", type=int, default=d.eval_every, help="outer steps between evaluations")
     t.add_argument("--eval-batches", type=int, default=d.eval_batches)

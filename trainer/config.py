@@ -23,10 +23,10 @@ class TrainConfig:
     fragments: int = 1                # P
     quorum: int = 1                   # K: minimum contributions per merge
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_momentum: float = 0.7       # Nesterov; 0.9 overshoots in runs of a few dozen outer steps
     inner_lr: float = 3e-3
     weight_decay: float = 0.1
-    inner_prox: float = 0.0           # pull towards the adopted global, per unit of inner lr (0: off)
+    inner_prox: float = 50.0          # pull towards the adopted global, per unit of inner lr (0: off)
     warmup_steps: int = 20
     grad_clip: float = 1.0
     batch_size: int = 16
@@ -38,7 +38,7 @@ class TrainConfig:
     grace_cap_s: float = 2.0          # cap of the adaptive grace window
     seed: int = 0
     fragment_mode: str = "strided"
-    rda: bool = False                 # radial-directional averaging of non-embedding tensors
+    rda: bool = True                  # radial-directional averaging of non-embedding tensors
     mix_alpha: float = 0.5            # share of the progress made meanwhile kept on adoption
     device: str = "cpu"
     bf16: bool = False

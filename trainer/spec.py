@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MODEL_PRESETS = ("tiny", "small", "base")
+DEFAULT_INNER_PROX = 50.0  # docs/engine.md, "Defaults": the run behind each default
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME_RE = re.compile(r"^[\w .,:()+/@-]+$")
 
@@ -42,14 +43,15 @@ class JobSpec(BaseModel):
         1, ge=1, le=64, description="syncer tasks, each merging its share of the fragments (at most P)"
     )
     outer_lr: float = Field(0.7, gt=0, le=2.0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1.0)
+    outer_momentum: float = Field(0.7, ge=0, lt=1.0, description="Nesterov momentum of the outer step")
     inner_lr: float = Field(3e-3, gt=0, le=1.0)
     weight_decay: float = Field(0.1, ge=0, le=1.0)
     inner_prox: float = Field(
-        0.0, ge=0, le=10_000,
+        DEFAULT_INNER_PROX, ge=0, le=10_000,
         description="pull of each inner step towards the adopted global weights, per unit of inner lr "
-        "(FedProx-style, keeps the learners from drifting apart; 0: off)",
+        "(FedProx-style, keeps the learners from drifting apart; 0: off; default 50, at most 1 / inner_lr)",
     )
+    rda: bool = Field(True, description="radial-directional averaging of the merged pseudo-gradients")
     warmup_steps: int = Field(20, ge=0, le=100_000)
     grad_clip: float = Field(1.0, gt=0, le=1000)
     batch_size: int = Field(16, ge=1, le=1024)
@@ -115,6 +117,8 @@ class JobSpec(BaseModel):
             self.quorum = max(1, self.learners // 2)
         if self.quorum > self.learners:
             raise ValueError("quorum: must not exceed learners")
+        if "inner_prox" not in self.model_fields_set:
+            self.inner_prox = min(DEFAULT_INNER_PROX, 1.0 / self.inner_lr)
         if self.inner_lr * self.inner_prox > 1:
             raise ValueError("inner_prox: inner_lr x inner_prox must be <= 1 (no pull past the global)")
         if self.fragments > self.inner_steps:

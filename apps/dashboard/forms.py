@@ -26,8 +26,8 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Learners", ("learners", "min_learners", "max_learners", "quorum")),
     ("Schedule", ("steps", "max_tokens", "inner_steps", "fragments", "warmup_steps",
                   "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),
-    ("Optimisation", ("inner_lr", "outer_lr", "outer_momentum", "weight_decay", "inner_prox", "grad_clip",
-                      "batch_size", "seq_len", "seed")),
+    ("Optimisation", ("inner_lr", "outer_lr", "outer_momentum", "weight_decay", "inner_prox", "rda",
+                      "grad_clip", "batch_size", "seq_len", "seed")),
     ("Placement", ("objective", "compression", "global_compression", "syncer_shards", "pools")),
 ]
 
@@ -74,6 +74,8 @@ def _field_for(name: str, info, pools: list[Pool]) -> forms.Field:
             widget=forms.CheckboxSelectMultiple, initial=default,
             **{**common, "help_text": "leave all unticked to let the platform choose"},
         )
+    if typ is bool:
+        return forms.BooleanField(initial=default, **common)
     if typ in (int, float):
         attrs["step"] = "1" if typ is int else "any"
         widget = forms.NumberInput(attrs=attrs)

@@ -45,7 +45,7 @@ def test_preset_fills_what_the_flags_leave():
     assert (cfg.learners, cfg.inner_steps, cfg.steps, cfg.quorum) == (4, 20, 400, 2)
     assert args.seeds == [3, 4] and args.strategies == ["ddp", "decoupled"]
     plain = config_from_args(parse_args(["compare"]))
-    assert plain.inner_prox == TrainConfig().inner_prox and not plain.rda
+    assert plain.inner_prox == TrainConfig().inner_prox and plain.rda == TrainConfig().rda
 
 
 def test_acceptance_preset_is_the_issue_run():

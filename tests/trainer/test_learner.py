@@ -238,7 +238,7 @@ def test_a_chain_of_updates_gives_the_published_bits(learner):
 def test_inner_prox_pulls_each_step_towards_the_adopted_global(learner):
     """inner_prox: after the AdamW step, x <- x + lr * inner_prox * (base - x); nothing else
     changes (same batches, same AdamW state), and a standalone learner has no global to pull to."""
-    plain = learner(inner_steps=8, steps=40)
+    plain = learner(inner_steps=8, steps=40, inner_prox=0.0)
     prox = learner(inner_steps=8, steps=40, inner_prox=50.0)
     for step in range(3):
         plain.step()

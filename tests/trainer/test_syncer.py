@@ -72,7 +72,7 @@ def test_outer_step_equals_torch_sgd_nesterov():
 
 
 def test_outer_step_without_momentum_is_plain_averaging_step():
-    cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0)
+    cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0, rda=False)  # plain averaging
     init = _initial()
     syncer = Syncer(cfg, init, ManualClock())
     d0, d1 = _delta(0), _delta(1)
@@ -85,7 +85,7 @@ def test_outer_step_without_momentum_is_plain_averaging_step():
 
 def test_token_weighting():
     """w = tokens * tokens / steps: 300 tokens over 3 steps outweighs 100 over 4 by 9 * 4 = 36."""
-    cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0)
+    cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0, rda=False)  # plain averaging
     init = _initial()
     syncer = Syncer(cfg, init, ManualClock())
     d0, d1 = _delta(0), _delta(1)

@@ -17,8 +17,11 @@ from trainer.train import LocalRun, run_local
 
 
 def test_decoupled_m1_h1_reproduces_single(small_config, stdlib_corpus):
-    """M=1, H=1, P=1, K=1, outer lr 1, momentum 0: the syncer just hands back the learner's weights."""
+    """M=1, H=1, P=1, K=1, outer lr 1, momentum 0, no RDA or pull (the plain method): the syncer
+    just hands back the learner's weights."""
     cfg = small_config(
+        rda=False,
+        inner_prox=0.0,
         learners=1,
         inner_steps=1,
         fragments=1,
