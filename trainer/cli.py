@@ -84,6 +84,8 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--quorum", "-K", type=int, default=None, help="default: max(1, M // 2)")
     t.add_argument("--outer-lr", type=float, default=d.outer_lr)
     t.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    t.add_argument("--outer-momentum-warmup", type=int, default=d.outer_momentum_warmup,
+                   help="outer steps over which the outer momentum ramps up from 0")
     t.add_argument("--inner-lr", type=float, default=d.inner_lr)
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
     t.add_argument("--inner-prox", type=float, default=d.inner_prox,
@@ -127,6 +129,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         quorum=quorum,
         outer_lr=a.outer_lr,
         outer_momentum=a.outer_momentum,
+        outer_momentum_warmup=a.outer_momentum_warmup,
         inner_lr=a.inner_lr,
         weight_decay=a.weight_decay,
         inner_prox=a.inner_prox,

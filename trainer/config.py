@@ -24,6 +24,7 @@ class TrainConfig:
     quorum: int = 1                   # K: minimum contributions per merge
     outer_lr: float = 0.7
     outer_momentum: float = 0.7       # Nesterov; 0.9 overshoots in runs of a few dozen outer steps
+    outer_momentum_warmup: int = 0    # outer steps over which the momentum ramps up from 0
     inner_lr: float = 3e-3
     weight_decay: float = 0.1
     inner_prox: float = 50.0          # pull towards the adopted global, per unit of inner lr (0: off)
@@ -81,6 +82,8 @@ class TrainConfig:
                  "must be an integer >= 1")
         need(self.outer_lr > 0, "outer_lr", "must be > 0")
         need(0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
+        need(isinstance(self.outer_momentum_warmup, int) and self.outer_momentum_warmup >= 0,
+             "outer_momentum_warmup", "must be an integer >= 0")
         need(self.inner_lr > 0, "inner_lr", "must be > 0")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self.inner_prox >= 0, "inner_prox", "must be >= 0")

@@ -44,6 +44,8 @@ class JobSpec(BaseModel):
     )
     outer_lr: float = Field(0.7, gt=0, le=2.0)
     outer_momentum: float = Field(0.7, ge=0, lt=1.0, description="Nesterov momentum of the outer step")
+    outer_momentum_warmup: int = Field(
+        0, ge=0, le=100_000, description="outer steps over which the outer momentum ramps up from 0")
     inner_lr: float = Field(3e-3, gt=0, le=1.0)
     weight_decay: float = Field(0.1, ge=0, le=1.0)
     inner_prox: float = Field(

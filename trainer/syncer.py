@@ -305,7 +305,7 @@ class Syncer:
         merged = self._combine(names, deltas, norm_w)
         merged_norm = math.sqrt(sum(float(x) ** 2 for x in torch._foreach_norm(merged)))
         health = [self._health(d, merged, merged_norm) for d in deltas]  # before `merged` is consumed
-        self._outer_step(names, merged)  # consumes `merged` (a fresh buffer) in place
+        self._outer_step(names, merged, version)  # consumes `merged` (a fresh buffer) in place
         new_version = version + 1
         self.versions[fragment] = new_version
         self._publish(fragment, version, new_version)
@@ -383,10 +383,17 @@ class Syncer:
             torch._foreach_add_(acc, deltas[m], alpha=w[m])
         return acc
 
-    def _outer_step(self, names: list[str], grads: list[torch.Tensor]) -> None:
-        lr, mu = self.config.outer_lr, self.config.outer_momentum
+    def momentum_at(self, step: int) -> float:
+        """Outer momentum for the fragment's `step`-th outer step (0-based): ramped up linearly
+        over `outer_momentum_warmup` steps, so the first, large and noisy pseudo-gradients of a
+        run from scratch are not carried on for dozens of steps."""
+        mu, warm = self.config.outer_momentum, self.config.outer_momentum_warmup
+        return mu if warm <= 0 else mu * min(1.0, step / warm)
+
+    def _outer_step(self, names: list[str], grads: list[torch.Tensor], step: int = 0) -> None:
+        lr, mu = self.config.outer_lr, self.momentum_at(step)
         params = [self.params[n] for n in names]
-        if mu == 0:
+        if self.config.outer_momentum == 0:
             torch._foreach_add_(params, grads, alpha=-lr)
             return
         missing = [n for n in names if n not in self.momentum]

@@ -26,7 +26,8 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Learners", ("learners", "min_learners", "max_learners", "quorum")),
     ("Schedule", ("steps", "max_tokens", "inner_steps", "fragments", "warmup_steps",
                   "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),
-    ("Optimisation", ("inner_lr", "outer_lr", "outer_momentum", "weight_decay", "inner_prox", "rda",
+    ("Optimisation", ("inner_lr", "outer_lr", "outer_momentum", "outer_momentum_warmup", "weight_decay",
+                      "inner_prox", "rda",
                       "grad_clip", "batch_size", "seq_len", "seed")),
     ("Placement", ("objective", "compression", "global_compression", "syncer_shards", "pools")),
 ]

@@ -17,7 +17,8 @@ from django.conf import settings
 from tests.telemetry.conftest import agent, expect_close
 
 PRINT = ("import django, os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'diloco_platform.settings'); "
-         "django.setup(); from django.conf import settings as s; print(s.SECRET_KEY); print(s.COORDINATOR_TOKEN)")
+         "django.setup(); from django.conf import settings as s; "
+         "print(s.SECRET_KEY); print(s.COORDINATOR_TOKEN)")
 
 
 def _run(tmp_path, **env):

@@ -71,6 +71,27 @@ def test_outer_step_equals_torch_sgd_nesterov():
             torch.testing.assert_close(syncer.params[n], ref[n].detach(), rtol=0, atol=1e-6)
 
 
+def test_outer_momentum_warmup_ramps_the_nesterov_momentum():
+    """outer_momentum_warmup W: the k-th outer step is Nesterov SGD with momentum
+    mu_k = mu * min(1, k / W), the buffer kept from the first step:
+    b_k = mu_k b_(k-1) + g_k, then x -= lr (g_k + mu_k b_k)."""
+    cfg = _config(learners=1, quorum=1, outer_lr=0.7, outer_momentum=0.8, outer_momentum_warmup=4)
+    init = _initial()
+    syncer = Syncer(cfg, init, ManualClock())
+    assert [syncer.momentum_at(k) for k in (0, 2, 4, 9)] == [0.0, 0.4, 0.8, 0.8]
+    ref = {n: t.clone() for n, t in init.items()}
+    buf: dict[str, torch.Tensor] = {}
+    for step in range(7):
+        mu = 0.8 * min(1.0, step / 4)
+        delta = _delta(step)
+        assert syncer.submit(_contrib(0, base_version=step, tensors=delta)).accepted
+        syncer.merge(0)
+        for n in SHAPES:
+            buf[n] = delta[n].clone() if n not in buf else mu * buf[n] + delta[n]
+            ref[n] -= 0.7 * (delta[n] + mu * buf[n])
+            torch.testing.assert_close(syncer.params[n], ref[n], rtol=1e-6, atol=1e-5)  # op order differs
+
+
 def test_outer_step_without_momentum_is_plain_averaging_step():
     cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0, rda=False)  # plain averaging
     init = _initial()
