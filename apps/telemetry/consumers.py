@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -24,7 +23,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from . import publish
-from .auth import coordinator_token
+from .auth import is_coordinator_token
 from .protocol import ProtocolError, parse_frame
 from .scope import LearnerPlace, cache
 from .writer import event as event_row
@@ -136,8 +135,7 @@ class AgentConsumer(BaseSocket):
             await self.fail(CLOSE_UNAUTHORIZED, "missing token: send 'Authorization: Bearer <token>'",
                             "unauthorized")
             return
-        coord = coordinator_token()
-        if coord and hmac.compare_digest(token.encode(), coord.encode()):
+        if is_coordinator_token(token):
             self.role = "coordinator"
         else:
             from apps.inventory.models import PoolToken
@@ -221,6 +219,10 @@ class AgentConsumer(BaseSocket):
     async def _refused(self, msg: dict, r: Refused) -> bool:
         """Reply with the reason; True when the connection was closed for repeated abuse."""
         STATS["refused"] += 1
+        # Forbidden messages are worth a warning (a misbehaving or hostile worker); stale
+        # incarnations and finished jobs are routine after a migration or a cancel.
+        log.log(logging.WARNING if r.abuse else logging.INFO, "agent %s: refused a %s message: %s",
+                self._who(), msg["type"], r.reason)
         await self.send_json({"type": "error", "reason": r.reason, "code": r.code,
                               "in_reply_to": msg["type"]})
         if not r.abuse:
@@ -347,6 +349,11 @@ class AgentConsumer(BaseSocket):
         await self._subscribe(msg["job"], msg["learner"])
 
     async def on_metrics(self, msg: dict) -> None:
+        if self.role != "coordinator" and any(p["learner"] is None for p in msg["points"]):
+            # Job-level series (val_loss, goodput...) are the coordinator's: a pool that runs one
+            # learner of a job must not draw into the job's own charts. The whole message is
+            # refused, so nothing of it is half-written.
+            raise Refused("only the coordinator may write job-level metrics (learner null)")
         js = await self._job(msg["job"])
         now = timezone.now()
         rows = []

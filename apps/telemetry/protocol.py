@@ -178,6 +178,7 @@ def _point(p: Any, i: int) -> dict:
         raise ProtocolError(f"{w} must be an object")
     _check_keys(p, {"name", "value"}, {"learner", "step", "time"}, w)
     return {
+        # learner null is a job-level point (coordinator token only; checked by the consumer)
         "learner": _opt(p, "learner", _int, hi=MAX_INT32, where=w),
         "name": _str(p, "name", max_len=40, where=w, pattern=NAME_RE),
         "step": _opt(p, "step", _int, where=w) or 0,

@@ -62,6 +62,7 @@ class TelemetryWriter:
         self._items = 0
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._stopping = False
         self._lock = asyncio.Lock()
         self.stats: dict[str, int] = defaultdict(int)
 
@@ -108,7 +109,7 @@ class TelemetryWriter:
     # -- flushing ------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
             self._wake.clear()
@@ -157,12 +158,20 @@ class TelemetryWriter:
         return len(hb) + len(points) + len(events)
 
     async def stop(self) -> None:
-        """Flush what is left and stop the background task (tests, shutdown)."""
+        """Flush what is left and stop the background task (tests, shutdown).
+
+        The task is woken and awaited, not cancelled: cancelling a flush between its commit and
+        its fan-out would lose the dashboard messages of rows already written.
+        """
         task, self._task = self._task, None
         if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            self._stopping = True
+            self._wake.set()
+            try:
+                with contextlib.suppress(Exception):
+                    await task
+            finally:
+                self._stopping = False
         await self.flush()
 
 

@@ -45,8 +45,8 @@ async def _run(app, headers, chunks):
     ([(b"content-length", b"2000")], [b"x" * 100], 413),
     ([(b"content-length", b"-1")], [b""], 400),
     ([(b"content-length", b"9" * 40)], [b""], 400),
-    ([], [b"x" * 600, b"x" * 600], None),  # no Content-Length, streams past the limit: cut off
-    ([(b"content-length", b"10")], [b"x" * 600, b"x" * 600], None),  # lies about its length
+    ([], [b"x" * 600, b"x" * 600], 413),  # no Content-Length, streams past the limit: 413 at once
+    ([(b"content-length", b"10")], [b"x" * 600, b"x" * 600], 413),  # lies about its length
 ])
 async def test_body_limit(settings, headers, chunks, status):
     settings.REQUEST_BODY_MAX_BYTES = 1000
@@ -60,3 +60,24 @@ def test_the_platform_asgi_app_is_wrapped():
     from diloco_platform.asgi import application
 
     assert isinstance(application.application_mapping["http"], BodySizeLimit)
+
+
+@pytest.mark.parametrize("platform", [False, True])
+async def test_streamed_body_over_the_limit_gets_413_without_waiting_for_the_rest(settings, platform):
+    """A chunked body (no Content-Length) that passes the limit is answered 413 at once, while the
+    client still has more to send; the app behind never gets the body."""
+    from diloco_platform.asgi import application
+
+    settings.REQUEST_BODY_MAX_BYTES = 1000
+    app = application.application_mapping["http"] if platform else BodySizeLimit(_echo_app)
+    comm = ApplicationCommunicator(app, _scope([(b"transfer-encoding", b"chunked")]))
+    for _ in range(2):
+        await comm.send_input({"type": "http.request", "body": b"x" * 600, "more_body": True})
+    # the rest of the body never comes: the answer may not wait for it
+    start = await comm.receive_output(1)
+    assert start["status"] == 413
+    assert (b"connection", b"close") in start["headers"]
+    body = await comm.receive_output(1)
+    assert "at most 1000 bytes" in json.loads(body["body"])["detail"]
+    await comm.wait(1)  # and the application instance has finished
+    assert await comm.receive_nothing(0.1)  # nothing more is sent (no second response)

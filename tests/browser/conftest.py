@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -70,9 +71,11 @@ class LiveServer:
         redis_url = os.environ.get("REDIS_URL", "")
         if not redis_url:
             pytest.fail("browser tests need Redis for the channel layer: set REDIS_URL")
+        self.coordinator_token = "ct_" + secrets.token_urlsafe(24)  # job-level metrics are the coordinator's
         self.env = {**os.environ, "DATABASE_URL": _database_url(), "REDIS_URL": redis_url,
                     "DJANGO_SETTINGS_MODULE": "diloco_platform.settings", "DILOCO_VAR_DIR": str(tmp / "var"),
-                    "DILOCO_WEB_URL": self.url, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+                    "DILOCO_WEB_URL": self.url, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    "COORDINATOR_TOKEN": self.coordinator_token}
         self.env.pop("PYTEST_CURRENT_TEST", None)
 
     def start(self) -> None:

@@ -288,12 +288,18 @@ async def test_metrics_and_events_are_written_and_fanned_out(job, token_a, coord
     comm, _ = await agent(token_a)
     await comm.send_json_to({"type": "metrics", "job": job.pk, "points": [
         {"learner": 0, "name": "train_loss", "step": 100, "value": 2.75, "time": 1.8e9},
-        {"learner": None, "name": "goodput", "step": 100, "value": 0.9},
     ]})
     await comm.send_json_to({"type": "event", "job": job.pk, "kind": "checkpointed", "message": "v3",
                              "payload": {"version": 3}, "learner": 0})
     await comm.send_json_to(hb(job))
     await until(comm, lambda m: m["type"] == "ack" and m["n"] == 3)
+    # job-level points (learner null) are the coordinator's (a pool token's are refused)
+    coord, _ = await agent(coord_token)
+    await coord.send_json_to({"type": "metrics", "job": job.pk, "points": [
+        {"learner": None, "name": "goodput", "step": 100, "value": 0.9},
+    ]})
+    await until(coord, lambda m: m["type"] == "ack" and m["n"] == 1)
+    await coord.disconnect()
     await _flush()
 
     rows = await sync_to_async(lambda: list(

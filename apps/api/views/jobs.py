@@ -12,7 +12,6 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from apps.jobs import access, services
-from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
 from apps.jobs.spec import SpecError, validate_spec
 
@@ -113,15 +112,18 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
         ser = s.JobSubmitSerializer(data=request.data, context={"request": request})
         ser.is_valid(raise_exception=True)
         key = idempotency_key(request)
+        team = ser.validated_data.get("team", "")
         try:
             spec = validate_spec(ser.validated_data["spec"])
             job, created = services.submit_job(request.user, ser.validated_data["spec"], idempotency_key=key,
-                                               team=ser.validated_data.get("team", ""))
+                                               team=team)
         except SpecError as exc:
             raise _spec_error(exc) from None
-        if not created and job.spec != spec.model_dump(mode="json"):
+        # A replay must be the same request: another spec or another team is a conflict, never
+        # the first job handed back (it would show one team's job as filed for another).
+        if not created and (job.spec != spec.model_dump(mode="json") or job.team != team):
             raise Conflict(f"{IDEMPOTENCY_HEADER} {key!r} was already used for job {job.pk} "
-                           "with a different spec.")
+                           "with a different spec or team.")
         headers = {"Location": request.build_absolute_uri(f"{job.pk}/")}
         if not created:
             headers["Idempotent-Replayed"] = "true"
@@ -173,9 +175,6 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
     @action(detail=True, methods=["post"])
     def resume(self, request, pk=None):
         """Resume a paused job (409 when not paused)."""
-        job = self.get_object()
-        if job.status != st.PAUSED:
-            raise Conflict(f"Only a paused job can be resumed; job {job.pk} is {job.status}.")
         return self._act(services.resume_job, "resumed")
 
     @extend_schema(responses=s.LearnerSerializer(many=True))
