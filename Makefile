@@ -41,10 +41,12 @@ bench: $(STAMP)
 	$(BIN)/python -m trainer.bench all --json bench/results/all.json --plot-dir bench/results \
 		--markdown bench/results/all.md
 
-# Issue 3's quality line over three seeds: ddp against decoupled at equal tokens (about 3 min).
+# Decoupled with the defaults against ddp at its own best inner lr (4e-3), equal tokens, three
+# seeds: tiny, M=4, H=20, 400 inner steps (about 15 min). `--preset acceptance` gives issue 3's run.
 compare: $(STAMP)
 	mkdir -p bench/results
-	$(BIN)/python -m trainer compare --preset acceptance --seeds 0,1,2 --eval-batches 32 --eval-every 1 \
+	$(BIN)/python -m trainer compare --model tiny -M 4 -H 20 --steps 400 --seeds 0,1,2 --baseline-inner-lr 4e-3 \
+		--eval-batches 32 --eval-every 1 \
 		--json bench/results/compare.json --plot bench/results/compare.png \
 		--markdown bench/results/compare.md
 

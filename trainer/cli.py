@@ -60,6 +60,8 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
                    help="comma-separated; the first is the baseline (default ddp,decoupled)")
     c.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="comma-separated (default 0,1,2)")
     _add_config_options(c)
+    c.add_argument("--baseline-inner-lr", type=float, default=None,
+                   help="the baseline's own inner lr (default: --inner-lr, the same as the others)")
     c.add_argument("--target-gap", type=float, default=0.02,
                    help="print whether each strategy stays within this fraction of the baseline")
     c.add_argument("--json", default=None, help="write the comparison here ('-' for stdout)")
@@ -255,11 +257,15 @@ def _compare(args: argparse.Namespace, config: TrainConfig) -> int:
             args.seeds,
             run=lambda cfg, strategy: run_local(cfg, strategy, corpus=corpus),
             progress=None if args.quiet else (lambda line: print(line, file=out, flush=True)),
+            baseline_inner_lr=args.baseline_inner_lr,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     verdict = compare.verdict(doc, args.target_gap)
+    if args.baseline_inner_lr is not None:
+        verdict = (f"{args.strategies[0]} at its own inner lr {args.baseline_inner_lr:g}, the others at "
+                   f"{config.inner_lr:g}\n{verdict}")
     print(compare.table(doc), file=out)
     print(verdict, file=out, flush=True)
     if args.plot:

@@ -48,8 +48,14 @@ def compare(
     seeds: list[int],
     run: Run,
     progress: Callable[[str], None] | None = None,
+    baseline_inner_lr: float | None = None,
 ) -> dict:
-    """Run each strategy for each seed (`run(config, strategy)`) and score it against the first."""
+    """Run each strategy for each seed (`run(config, strategy)`) and score it against the first.
+
+    `baseline_inner_lr` runs the baseline at its own inner lr: ddp and decoupled learners want
+    different step sizes (decoupled's each see 1/M of the batch), and a gap won by running the
+    baseline at the other's lr would measure the mistuning, not the method.
+    """
     if len(strategies) < 2:
         raise ValueError("compare needs at least two strategies (the first is the baseline)")
     if not seeds:
@@ -58,7 +64,8 @@ def compare(
     for seed in seeds:
         cfg = replace(config, seed=seed)
         for strategy in strategies:
-            report = run(cfg, strategy)
+            own = strategy == strategies[0] and baseline_inner_lr is not None
+            report = run(replace(cfg, inner_lr=baseline_inner_lr) if own else cfg, strategy)
             row = {k: report[k] for k in KEEP if k in report}
             row["seed"] = seed
             runs.append(row)
@@ -67,7 +74,9 @@ def compare(
                     f"seed {seed} {strategy}: val loss {row['final_val_loss']:.4f}, "
                     f"{row['tokens']:,} tokens, {row['wall_s']:.0f} s"
                 )
-    return summarise(runs, strategies, seeds, config)
+    doc = summarise(runs, strategies, seeds, config)
+    doc["baseline_inner_lr"] = baseline_inner_lr if baseline_inner_lr is not None else config.inner_lr
+    return doc
 
 
 def summarise(runs: list[dict], strategies: list[str], seeds: list[int], config: TrainConfig) -> dict:

@@ -11,8 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer.config import default_inner_lr
+
 MODEL_PRESETS = ("tiny", "small", "base")
-DEFAULT_INNER_PROX = 50.0  # docs/engine.md, "Defaults": the run behind each default
+DEFAULT_INNER_PROX = 25.0  # docs/engine.md, "Defaults": the run behind each default
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME_RE = re.compile(r"^[\w .,:()+/@-]+$")
 
@@ -43,15 +45,18 @@ class JobSpec(BaseModel):
         1, ge=1, le=64, description="syncer tasks, each merging its share of the fragments (at most P)"
     )
     outer_lr: float = Field(0.7, gt=0, le=2.0)
-    outer_momentum: float = Field(0.7, ge=0, lt=1.0, description="Nesterov momentum of the outer step")
+    outer_momentum: float = Field(0.9, ge=0, lt=1.0, description="Nesterov momentum of the outer step")
     outer_momentum_warmup: int = Field(
-        0, ge=0, le=100_000, description="outer steps over which the outer momentum ramps up from 0")
-    inner_lr: float = Field(3e-3, gt=0, le=1.0)
+        10, ge=0, le=100_000, description="outer steps over which the outer momentum ramps up from 0")
+    inner_lr: float | None = Field(
+        None, gt=0, le=1.0,
+        description="inner AdamW lr; default by model size: tiny 5e-3, small 2e-3, others 1e-3",
+    )
     weight_decay: float = Field(0.1, ge=0, le=1.0)
     inner_prox: float = Field(
         DEFAULT_INNER_PROX, ge=0, le=10_000,
         description="pull of each inner step towards the adopted global weights, per unit of inner lr "
-        "(FedProx-style, keeps the learners from drifting apart; 0: off; default 50, at most 1 / inner_lr)",
+        "(FedProx-style, keeps the learners from drifting apart; 0: off; default 25, at most 1 / inner_lr)",
     )
     rda: bool = Field(True, description="radial-directional averaging of the merged pseudo-gradients")
     warmup_steps: int = Field(20, ge=0, le=100_000)
@@ -119,6 +124,8 @@ class JobSpec(BaseModel):
             self.quorum = max(1, self.learners // 2)
         if self.quorum > self.learners:
             raise ValueError("quorum: must not exceed learners")
+        if self.inner_lr is None:
+            self.inner_lr = default_inner_lr(self.model)
         if "inner_prox" not in self.model_fields_set:
             self.inner_prox = min(DEFAULT_INNER_PROX, 1.0 / self.inner_lr)
         if self.inner_lr * self.inner_prox > 1:

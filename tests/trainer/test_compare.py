@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from trainer.cli import config_from_args, parse_args
-from trainer.compare import PRESETS, summarise, table, verdict
+from trainer.compare import PRESETS, compare, summarise, table, verdict
 from trainer.config import TrainConfig
 
 
@@ -100,3 +100,16 @@ def test_cli_compare_runs_every_strategy_per_seed_and_writes_its_reports(tmp_pat
     assert "decoupled within 2.0% of ddp on every seed:" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert md.read_text().startswith("| seed | ddp | decoupled | decoupled gap |")
+
+
+def test_baseline_can_run_at_its_own_inner_lr():
+    seen = []
+
+    def fake(cfg, strategy):
+        seen.append((strategy, cfg.seed, cfg.inner_lr))
+        return _run(strategy, cfg.seed, 2.0)
+
+    doc = compare(TrainConfig(inner_lr=5e-3), ["ddp", "decoupled"], [0, 1], fake, baseline_inner_lr=3e-3)
+    assert seen == [("ddp", 0, 3e-3), ("decoupled", 0, 5e-3), ("ddp", 1, 3e-3), ("decoupled", 1, 5e-3)]
+    assert doc["baseline_inner_lr"] == 3e-3
+    assert compare(TrainConfig(inner_lr=5e-3), ["ddp", "decoupled"], [0], fake)["baseline_inner_lr"] == 5e-3

@@ -27,6 +27,7 @@ def _config(**kw):
         "fragments": 1,
         "outer_lr": 0.7,
         "outer_momentum": 0.9,
+        "outer_momentum_warmup": 0,  # plain Nesterov unless a test ramps it
         "max_staleness": 2,
         "grace_cap_s": 5.0,
     }
