@@ -18,6 +18,8 @@ def _one(name: str, quick: bool, seed: int) -> dict:
         doc = report.run_scenario(SCENARIOS[name](quick, seed), seed, quick, progress=_err)
     print(f"\n== {name}{' (quick)' if quick else ''}, seed {seed}: {doc['description']}")
     print(report.table(doc))
+    if doc.get("estimate"):
+        print(report.estimate_text(doc))
     print(report.checks_text(doc))
     sys.stdout.flush()
     return doc

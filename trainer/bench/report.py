@@ -106,12 +106,74 @@ def run_scenario(scn: Scenario, seed: int, quick: bool, progress=print) -> dict:
         "results": rows,
         "settings": scn.settings,
     }
+    doc["estimate"] = estimate(scn, results)
     if scn.checks:
         doc["checks"] = scn.checks(results, scn)
     if scn.summary:
         doc.update(scn.summary(results, scn))
     doc["wall_s"] = time.perf_counter() - t0
     return _clean(doc)
+
+
+ESTIMATE_CAP = 3.0  # "not within 3x": a strategy needing more than 3x the reference's tokens
+
+
+def estimate(scn: Scenario, results: dict[str, dict]) -> dict | None:
+    """Time to target for the *declared* model, from the loss model (trainer.bench.loss_model),
+    each strategy at the effective token rate it sustained in this run (goodput included).
+
+    Never mixed with the measured proxy rows: the target is the loss model's loss of the
+    reference strategy after its tokens, x (1 + TARGET_SLACK); data-parallel has no DiLoCo
+    penalty, diloco and decoupled that of their M learners at the declared size.
+    """
+    from trainer.bench import loss_model as lm
+
+    ref = results.get(scn.reference)
+    if not ref or not ref.get("tokens") or not ref.get("time_s"):
+        return None
+    row_by_label = {r.label: r for r in scn.rows}
+    model = scn.rows[0].spec.model
+
+    def learners(label: str) -> int:
+        row = row_by_label[label]
+        return 0 if row.strategy in ("ddp", "elastic-ddp") else row.spec.learners
+
+    target = lm.loss(model.params, ref["tokens"], learners(scn.reference)) * (1 + TARGET_SLACK)
+    rows = []
+    for r in scn.rows:
+        res = results[r.label]
+        rate = res["tokens"] / res["time_s"] if res.get("time_s") else 0.0
+        m = learners(r.label)
+        t = lm.time_to_target(model.params, target, m, rate, cap_tokens=ESTIMATE_CAP * ref["tokens"])
+        rows.append({"strategy": r.label, "learners": m, "penalty": lm.penalty(model.params, m),
+                     "extrapolated": m > 0 and lm.penalty_is_extrapolated(model.params, m),
+                     "tokens_per_s": rate, "time_to_target_s": t})
+    t_ref = next(x["time_to_target_s"] for x in rows if x["strategy"] == scn.reference)
+    for x in rows:
+        x["vs_reference"] = t_ref / x["time_to_target_s"] if t_ref and x["time_to_target_s"] else None
+    return {"model": model.name, "params": model.params, "target_loss": target,
+            "rule": f"loss model L(N, D) of '{scn.reference}' after its tokens x (1 + {TARGET_SLACK}); "
+                    f"'-' = not within {ESTIMATE_CAP:g}x its tokens", "rows": rows}
+
+
+def estimate_text(doc: dict, markdown: bool = False) -> str:
+    """The estimate as its own, labelled table."""
+    est = doc.get("estimate")
+    if not est:
+        return ""
+    head = ["strategy", "M", "penalty", "tokens/s", "to target s", "vs reference"]
+    body = [[x["strategy"], str(x["learners"] or "dp"),
+             f"{x['penalty']:+.2%}" + (" (extrapolated)" if x["extrapolated"] else ""),
+             _fmt(x["tokens_per_s"], "{:.3g}"), _fmt(x["time_to_target_s"], "{:,.0f}"),
+             _fmt(x["vs_reference"], "{:.2f}x")] for x in est["rows"]]
+    title = (f"ESTIMATE for the declared {est['model']} ({est['params']:.3g} parameters), not measured: "
+             f"target {est['target_loss']:.4f} ({est['rule']})")
+    if markdown:
+        return "\n".join([f"*{title}*", "", *_md_rows(head, body)])
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(lines)
 
 
 def _clean(x):
@@ -192,6 +254,8 @@ def markdown(doc: dict, image_dir: str = "../bench/results") -> str:
         out.append(table(doc, markdown=True))
     if doc.get("target_loss"):
         out += ["", f"Target loss {doc['target_loss']:.4f} ({doc['target_rule']})."]
+    if doc.get("estimate"):
+        out += ["", estimate_text(doc, markdown=True)]
     if doc.get("checks"):
         rows = []
         for c in doc["checks"]:
