@@ -100,3 +100,20 @@ def test_pool_failure_rebalancer_moves_learners_to_a_healthy_pool(corpus):
     assert move["moves"] and all(m["to"] == "spare" for m in move["moves"][:2])
     assert move["goodput"] > stay["goodput"]
     assert move["time_s"] < stay["time_s"]
+
+
+def test_runs_on_to_the_target_or_to_the_cap(corpus):
+    """The run-to-target rule of the bench: past its budget a strategy trains on until it reaches
+    the target loss, or until max_overrun x its budget; "to target" is then a time or None."""
+    spec = small_spec()
+    base = run_strategy(spec, "decoupled", corpus)
+    budget_tokens = base["tokens"]
+    reachable = run_strategy(replace(spec, target_loss=base["final_val_loss"] * 0.995, max_overrun=3.0),
+                             "decoupled", corpus)
+    unreachable = run_strategy(replace(spec, target_loss=0.5, max_overrun=2.0), "decoupled", corpus)
+    assert base["time_to_target_s"] is None
+    assert reachable["time_to_target_s"] is not None and reachable["time_to_target_s"] > base["time_s"]
+    assert reachable["final_val_loss"] == base["final_val_loss"]  # still scored at equal tokens
+    assert unreachable["time_to_target_s"] is None
+    last = unreachable["curve"][-1]["tokens"]
+    assert 2 * budget_tokens <= last <= 2.2 * budget_tokens  # stopped at the cap

@@ -6,7 +6,7 @@ import json
 import math
 import time
 
-from trainer.bench.scenarios import TARGET_SLACK, Scenario
+from trainer.bench.scenarios import TARGET_SLACK, TO_TARGET_CAP, Scenario
 
 COLUMNS = [
     ("strategy", "strategy", "{}"),
@@ -102,7 +102,8 @@ def run_scenario(scn: Scenario, seed: int, quick: bool, progress=print) -> dict:
         "quick": quick,
         "description": scn.description,
         "target_loss": target,
-        "target_rule": f"final loss of '{scn.reference}' x (1 + {TARGET_SLACK})",
+        "target_rule": f"final loss of '{scn.reference}' x (1 + {TARGET_SLACK}); each strategy trains on "
+                       f"until it reaches it, '-' = not within {TO_TARGET_CAP:g}x its budget",
         "results": rows,
         "settings": scn.settings,
     }
@@ -115,7 +116,7 @@ def run_scenario(scn: Scenario, seed: int, quick: bool, progress=print) -> dict:
     return _clean(doc)
 
 
-ESTIMATE_CAP = 3.0  # "not within 3x": a strategy needing more than 3x the reference's tokens
+ESTIMATE_CAP = TO_TARGET_CAP  # "not within 3x": more than 3x the reference's tokens
 
 
 def estimate(scn: Scenario, results: dict[str, dict]) -> dict | None:
