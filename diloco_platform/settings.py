@@ -51,10 +51,8 @@ def _local_secret(name: str) -> str:
 
 SECRET_KEY = env.str("SECRET_KEY", default="")
 if not SECRET_KEY:
-    if not EMBEDDED:
-        from django.core.exceptions import ImproperlyConfigured
-
-        raise ImproperlyConfigured(
+    if not EMBEDDED:  # one line on stderr and exit status 1, from manage.py, daphne and celery alike
+        raise SystemExit(
             "SECRET_KEY must be set (python -c 'import secrets; print(secrets.token_urlsafe(50))'); "
             "only the embedded default (no DATABASE_URL) makes its own, in var/secret_key"
         )
