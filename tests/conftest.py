@@ -41,6 +41,17 @@ def vision(alice, bob):
     return team
 
 
+@pytest.fixture
+def tripwire(tmp_path, monkeypatch):
+    """A file that tests.support.tripwire writes if the platform ever imports or calls it."""
+    import sys
+
+    mark = tmp_path / "tripwire"
+    monkeypatch.setenv("DILOCO_TRIPWIRE", str(mark))
+    sys.modules.pop("tests.support.tripwire", None)
+    return mark
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Run the browser tests last.

@@ -6,7 +6,6 @@ placement), and `"<data root>/,/etc/passwd"` was accepted as a dataset.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -19,14 +18,6 @@ pytestmark = pytest.mark.django_db
 JOBS = "/api/v1/jobs/"
 DRY = "/api/v1/jobs/dry-run/"
 TRIPWIRE = "tests.support.tripwire:build"
-
-
-@pytest.fixture
-def tripwire(tmp_path, monkeypatch):
-    mark = tmp_path / "tripwire"
-    monkeypatch.setenv("DILOCO_TRIPWIRE", str(mark))
-    sys.modules.pop("tests.support.tripwire", None)
-    return mark
 
 
 @pytest.mark.parametrize("model", ["os:abort", "os:system", "subprocess:Popen", "builtins:exec",

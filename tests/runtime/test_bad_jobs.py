@@ -6,7 +6,6 @@ re-dispatched forever.
 """
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
 
 import pytest
@@ -38,14 +37,6 @@ def _queued(owner, **spec) -> Job:
     job = Job.objects.create(owner=owner, name="j", spec={**TINY, **spec}, status=st.QUEUED)
     Job.objects.filter(pk=job.pk).update(updated_at=old)
     return job
-
-
-@pytest.fixture
-def tripwire(tmp_path, monkeypatch):
-    mark = tmp_path / "tripwire"
-    monkeypatch.setenv("DILOCO_TRIPWIRE", str(mark))
-    sys.modules.pop("tests.support.tripwire", None)
-    return mark
 
 
 def test_stored_hostile_model_fails_without_running_and_the_tick_goes_on(owner, pools, tripwire):
