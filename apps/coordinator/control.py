@@ -108,9 +108,9 @@ def start_job(job: Job) -> str:
         job.transition(st.QUEUED, f"waiting for capacity: {exc}")
         event(job, Event.Kind.INFO, f"placement failed: {exc}"[:300], {"reason": str(exc)})
         return "waiting for capacity"
-    except DatabaseError:
-        raise
     except Exception as exc:  # the spec, the model factory or the data: the same next time
+        if _transient(exc):
+            raise
         log.warning("job %s cannot be placed", job.pk, exc_info=True)
         job.refresh_from_db()
         fail_job(job, f"placement failed: {type(exc).__name__}: {exc}")
@@ -261,17 +261,27 @@ def watchdog() -> dict:
     return out
 
 
+def _transient(exc: Exception) -> bool:
+    """Errors of the services (database, broker, Redis, network), not of the job: retried."""
+    from kombu.exceptions import KombuError
+    from redis.exceptions import RedisError
+
+    return isinstance(exc, DatabaseError | OSError | KombuError | RedisError)
+
+
 def guarded(job: Job, fn, *args):
     """Run one job's part of a tick so that its failure never stops the tick for the others.
 
-    A database error is left for the next tick; anything else comes from the job itself (its
-    spec, model or data) and would happen again, so the job fails with the reason.
+    An error of the services (the broker down in the chaos drill, a database hiccup) is left
+    for the next tick; anything else comes from the job itself (its spec, model or data) and
+    would happen again, so the job fails with the reason.
     """
     try:
         return fn(*args)
-    except DatabaseError:
-        log.warning("tick: job %s: database error, retried next tick", job.pk, exc_info=True)
     except Exception as exc:
+        if _transient(exc):
+            log.warning("tick: job %s: %s, retried next tick", job.pk, type(exc).__name__, exc_info=True)
+            return None
         log.warning("tick: job %s failed in %s", job.pk, getattr(fn, "__name__", fn), exc_info=True)
         try:
             job.refresh_from_db()

@@ -133,3 +133,22 @@ def test_never_started_learner_counts_as_a_failed_start(owner, pools):
     control.watchdog()
     rt = LearnerRuntime.objects.get(learner=learner)
     assert rt.start_failures == 1 and "no heartbeat" in rt.last_error
+
+
+def test_service_errors_in_a_tick_are_retried_not_blamed_on_the_job(owner, pools, monkeypatch):
+    """The broker or Redis down (the chaos drill kills Redis) must not fail a healthy job."""
+    from kombu.exceptions import OperationalError
+
+    job = Job.objects.create(owner=owner, name="j", spec={**TINY}, status=st.RUNNING)
+    for exc in (ConnectionError("redis down"), OperationalError("broker down")):
+        def boom(j, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(control, "dispatch_pending", boom)
+        control.watchdog()
+        job.refresh_from_db()
+        assert job.status == st.RUNNING
+    monkeypatch.setattr(control, "dispatch_pending", lambda j: (_ for _ in ()).throw(ValueError("bad spec")))
+    control.watchdog()
+    job.refresh_from_db()
+    assert job.status == st.FAILED and "bad spec" in job.status_reason
