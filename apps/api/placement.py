@@ -19,12 +19,10 @@ BUSY = [Learner.State.PENDING, Learner.State.STARTING, Learner.State.RUNNING]
 
 
 def model_figures(spec: JobSpec) -> tuple[float, float, int]:
-    """(memory GiB for training, FLOPs per token, fp32 bytes of one fragment): the coordinator's
-    figures too (both call trainer.models.job_model_figures)."""
-    from trainer.models import job_model_figures
+    """The coordinator's figures (trainer.models.spec_model_figures), so the preview matches it."""
+    from trainer.models import spec_model_figures
 
-    f = job_model_figures(spec.model, spec.batch_size, spec.seq_len, spec.fragments)
-    return f.memory_gib, f.flops_per_token, f.fragment_bytes
+    return spec_model_figures(spec)
 
 
 def pool_infos(spec: JobSpec) -> tuple[list[Any], list[str]]:

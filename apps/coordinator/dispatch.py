@@ -105,12 +105,10 @@ def measured_throughput(job) -> dict[str, float]:
 
 
 def model_figures(spec) -> tuple[float, float, int]:
-    """(memory GiB, FLOPs per token, fragment bytes): the dry run's figures too
-    (both call trainer.models.job_model_figures)."""
-    from trainer.models import job_model_figures
+    """The dry run's figures too (trainer.models.spec_model_figures)."""
+    from trainer.models import spec_model_figures
 
-    f = job_model_figures(spec.model, spec.batch_size, spec.seq_len, spec.fragments)
-    return f.memory_gib, f.flops_per_token, f.fragment_bytes
+    return spec_model_figures(spec)
 
 
 def place_job(job) -> list[Learner]:
