@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench compare install browser clean
+.PHONY: demo test lint bench compare perf install browser clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || (echo "need $(PY)"; exit 1)
@@ -49,6 +49,13 @@ compare: $(STAMP)
 		--eval-batches 32 --eval-every 1 \
 		--json bench/results/compare.json --plot bench/results/compare.png \
 		--markdown bench/results/compare.md
+
+# Issue 19's figures in one table: engine (trainer.perf), in-process runner (ddp/diloco/decoupled,
+# tiny M=4 1600 steps: several minutes) and the API (api_bench: needs DATABASE_URL, REDIS_URL).
+# PERF_QUICK=1 make perf: a shorter run. Writes bench/results/perf.json and perf.md.
+perf: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python bench/perf_report.py
 
 clean:
 	rm -rf var test-artifacts

@@ -128,6 +128,9 @@ class Client:
         return self.get(f"jobs/{job_id}/metrics/", name=",".join(names) if names else None, points=points,
                         learner=learner)
 
+    def compare(self, job_ids: list[int], baseline: int | None = None, metric: str | None = None) -> dict:
+        return self.get("compare/", jobs=",".join(str(i) for i in job_ids), baseline=baseline, metric=metric)
+
     def pools(self) -> list[dict]:
         return self.get("pools/", limit=500)["results"]
 

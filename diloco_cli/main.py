@@ -266,6 +266,8 @@ def jobs_submit(
     poll: Annotated[float, typer.Option("--poll", min=0.1, help="seconds between status polls")] = 1.0,
     team: Annotated[str, typer.Option("--team", help="your team: its members see the job too")] = "",
     overrides: Annotated[list[str] | None, typer.Option("--set", help="FIELD=VALUE over the file")] = None,
+    devices_per_learner: Annotated[int | None, typer.Option(
+        "--devices-per-learner", help="devices of one learner, all on one node (an island)")] = None,
     idempotency_key: Annotated[str | None, typer.Option(
         "--idempotency-key", envvar="DILOCO_IDEMPOTENCY_KEY",
         help="a retried submission with the same key returns the same job (e.g. the CI build id)")] = None,
@@ -277,6 +279,8 @@ def jobs_submit(
         raise typer.Exit(EXIT_INVALID)
     try:
         spec = _read_spec(spec_file, overrides or [])
+        if devices_per_learner is not None:
+            spec["devices_per_learner"] = devices_per_learner  # the server validates it (400 per field)
     except ValueError as exc:
         if as_json:
             _print_json({"detail": str(exc), "errors": {"spec": [str(exc)]}, "exit_code": EXIT_INVALID})
@@ -311,8 +315,10 @@ def _show_dry_run(result: dict, as_json: bool) -> None:
         return
     plan = result["placement"]
     spec = result["spec"]
+    devices = int(spec.get("devices_per_learner") or 1)
     out.print(f"spec valid: {spec['name']} ({spec['strategy']}, model {spec['model']}, {spec['learners']} "
-              f"learners, {_fmt_tokens(result['total_tokens'])} tokens)")
+              f"learners{f' x {devices} devices' if devices > 1 else ''}, "
+              f"{_fmt_tokens(result['total_tokens'])} tokens)")
     if plan.get("learners"):
         t = Table(title=f"Placement (objective: {plan.get('objective')})")
         for col in ("learner", "pool", "H", "wire"):
@@ -448,6 +454,44 @@ def jobs_metrics(
         t.add_row(s["name"], "job" if s["learner"] is None else str(s["learner"]), str(len(pts)),
                   f"{vals[0]:.4g}", f"{min(vals):.4g}", f"{vals[-1]:.4g}", _fmt_tokens(pts[-1][0]))
     out.print(t)
+
+
+@jobs_app.command("compare")
+def jobs_compare(
+    job_ids: Annotated[list[int], typer.Argument(help="two or more job ids; the first is the baseline")],
+    baseline: Annotated[int | None, typer.Option("--baseline", help="pin this job as the baseline")] = None,
+    metric: Annotated[str | None, typer.Option("--metric", help="val_loss or train_loss (default: val_loss "
+                                                                  "when every job has it)")] = None,
+    url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+):
+    """Final loss, tokens, wall time and the gap to a baseline at equal tokens, for several jobs."""
+    try:
+        with _client(url, token) as c:
+            data = c.compare(job_ids, baseline, metric)
+    except (ApiError, ConnectError) as exc:
+        raise _fail(exc, as_json) from None
+    if as_json:
+        _print_json(data)
+        return
+    base = next(j for j in data["jobs"] if j["baseline"])
+    t = Table(title=f"{data['metric']} against baseline #{base['id']} {base['name']} (at equal tokens)")
+    t.add_column("job", overflow="fold")
+    for col in ("final loss", "tokens", "wall time", "at tokens", "loss there", "gap"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for j in data["jobs"]:
+        gap = "baseline" if j["baseline"] else ("-" if j["gap_pct"] is None else f"{j['gap_pct']:+.2f}%")
+        t.add_row(f"#{j['id']} {j['name']} ({j['status']})", _num(j["final_loss"]), _fmt_tokens(j["tokens"]),
+                  "-" if j["wall_time_s"] is None else f"{j['wall_time_s']:.0f} s",
+                  "-" if j["common_tokens"] is None else _fmt_tokens(j["common_tokens"]),
+                  _num(j["loss_at_common_tokens"]), gap)
+    out.print(t)
+    if data["missing"]:
+        missing = ", ".join(map(str, data["missing"]))
+        err.print(f"not shown: job(s) {missing} (no such job, or not yours to see)")
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
 
 
 def _job_action(job_id: int, name: str, url, token, as_json: bool) -> None:

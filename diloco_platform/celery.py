@@ -22,7 +22,23 @@ app.conf.beat_schedule = {
                              "options": {"expires": 5}},
     "coordinator-rebalance": {"task": "apps.coordinator.tasks.rebalance", "schedule": 5.0,
                               "options": {"expires": 10}},
+    # silent nodes lost, long-gone ones purged, pool/node history sampled (apps.inventory.tasks)
+    "fleet-tick": {"task": "apps.inventory.tasks.fleet_tick",
+                   "schedule": float(os.environ.get("FLEET_SAMPLE_INTERVAL_S", "10")),
+                   "options": {"expires": 30}},
 }
+
+
+# The coordinator's tasks by name: code that sends them (apps.jobs.services, the coordinator's
+# control, dispatch and learner) does not import apps.coordinator.tasks, which imports that code.
+RECONCILE_JOB = "apps.coordinator.tasks.reconcile_job"
+RUN_LEARNER = "apps.coordinator.tasks.run_learner"
+RUN_SYNCER = "apps.coordinator.tasks.run_syncer"
+
+
+def send(name: str, *args: object, queue: str | None = None):
+    """Send task `name` with `args` (routed by task_routes unless `queue` is given)."""
+    return app.signature(name, args=args).apply_async(queue=queue)
 
 
 def pool_queue(slug: str) -> str:

@@ -10,7 +10,8 @@ import logging
 import re
 from collections.abc import Mapping
 
-HOUSEKEEPING = frozenset({"apps.coordinator.tasks.watchdog", "apps.coordinator.tasks.rebalance"})
+HOUSEKEEPING = frozenset({"apps.coordinator.tasks.watchdog", "apps.coordinator.tasks.rebalance",
+                          "apps.inventory.tasks.fleet_tick"})
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -6,6 +6,7 @@ BLOB_STORE_URL. See docs/configuration.md for every variable.
 """
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import environ
@@ -188,6 +189,8 @@ HEARTBEAT_INTERVAL_S = env.float("HEARTBEAT_INTERVAL_S", default=1.0)
 HEARTBEAT_TIMEOUT_S = env.float("HEARTBEAT_TIMEOUT_S", default=3.0)
 # A learner that fails to start this many times in a row (with back-off between) fails its job.
 LEARNER_START_ATTEMPTS = env.int("LEARNER_START_ATTEMPTS", default=5)
+# Collectives inside a learner island time out after this (docs/runtime.md, "Learner islands").
+ISLAND_TIMEOUT_S = env.float("ISLAND_TIMEOUT_S", default=120.0)
 
 # TELEMETRY (agent websocket; docs/telemetry.md)
 # The coordinator's credential on the agent socket: a random secret, never derived from
@@ -200,6 +203,21 @@ TELEMETRY_FLUSH_MAX_ITEMS = env.int("TELEMETRY_FLUSH_MAX_ITEMS", default=1000)
 TELEMETRY_SCOPE_TTL_S = env.float("TELEMETRY_SCOPE_TTL_S", default=2.0)
 TELEMETRY_ABUSE_LIMIT = env.int("TELEMETRY_ABUSE_LIMIT", default=20)
 TELEMETRY_MAX_ITEMS_PER_S = env.float("TELEMETRY_MAX_ITEMS_PER_S", default=5000)
+
+# PROMETHEUS (/metrics; docs/metrics.md). Off unless one is set; when both are, both must pass.
+METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+# e.g. 10.0.0.0/8,127.0.0.1 (a bad entry stops the start with the reason)
+METRICS_ALLOWED_NETWORKS = [str(ipaddress.ip_network(n, strict=False))
+                            for n in env.list("METRICS_ALLOWED_NETWORKS", default=[])]
+
+# FLEET HOUSEKEEPING (apps/inventory/tasks.py, sent by beat)
+# A node silent this long is marked lost; one offline or lost this long is purged (hidden
+# from the fleet view, an event says so; its rows and history stay).
+NODE_OFFLINE_AFTER_S = env.float("NODE_OFFLINE_AFTER_S", default=30.0)
+NODE_PURGE_AFTER_S = env.float("NODE_PURGE_AFTER_S", default=24 * 3600.0)
+# Pool and node history (utilisation, tokens/s, power) is sampled this often and kept this long.
+FLEET_SAMPLE_INTERVAL_S = env.float("FLEET_SAMPLE_INTERVAL_S", default=10.0)
+FLEET_SAMPLE_RETENTION_DAYS = env.float("FLEET_SAMPLE_RETENTION_DAYS", default=30.0)
 
 # AUTH
 AUTH_PASSWORD_VALIDATORS = [

@@ -12,7 +12,7 @@ import os
 import sys
 
 from trainer.compare import PRESETS
-from trainer.config import COMPRESSIONS, FRAGMENT_MODES, STRATEGIES, ConfigError, TrainConfig
+from trainer.config import COMPRESSIONS, FRAGMENT_MODES, STRATEGIES, ConfigError, TrainConfig, default_quorum
 
 
 def _speeds(text: str) -> list[float]:
@@ -49,6 +49,10 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=TrainConfig().seed)
     t.add_argument("--json", default=None, help="write the report here ('-' for stdout)")
     t.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    t.add_argument("--devices-per-learner", type=int, default=1,
+                   help="processes (devices) per learner: an island, data-parallel inside (trainer.island)")
+    t.add_argument("--inner-parallelism", choices=("ddp", "fsdp"), default="ddp",
+                   help="how an island's ranks share the inner steps (ddp only for now)")
 
     c = sub.add_parser(
         "compare",
@@ -121,7 +125,7 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
-    quorum = a.quorum if a.quorum is not None else max(1, a.learners // 2)
+    quorum = a.quorum if a.quorum is not None else default_quorum(a.learners)
     return TrainConfig(
         model=a.model,
         dataset=a.data,
@@ -223,13 +227,12 @@ def _train(args: argparse.Namespace, config: TrainConfig) -> int:
     from trainer.train import run_local  # noqa: PLC0415 - keep --help fast
 
     progress_out = sys.stderr if args.json == "-" else sys.stdout
+    progress = None if args.quiet else _progress_printer(progress_out)
     try:
-        report = run_local(
-            config,
-            args.strategy,
-            progress=None if args.quiet else _progress_printer(progress_out),
-            speeds=args.speeds,
-        )
+        if args.devices_per_learner != 1 or args.inner_parallelism != "ddp":
+            report = _train_islands(args, config, progress)
+        else:
+            report = run_local(config, args.strategy, progress=progress, speeds=args.speeds)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -241,6 +244,18 @@ def _train(args: argparse.Namespace, config: TrainConfig) -> int:
     print(summary, file=progress_out, flush=True)
     _write_json(report, args.json)
     return 0
+
+
+def _train_islands(args: argparse.Namespace, config: TrainConfig, progress) -> dict:
+    """Every learner an island of --devices-per-learner processes (trainer.island)."""
+    from trainer.island_run import run_islands  # noqa: PLC0415 - keep --help fast
+
+    if args.devices_per_learner < 1:
+        raise ValueError("--devices-per-learner: must be >= 1")
+    if args.inner_parallelism != "ddp":
+        raise ValueError("--inner-parallelism: islands run ddp for now (docs/runtime.md)")
+    return run_islands(config, args.strategy, devices=args.devices_per_learner, progress=progress,
+                       speeds=args.speeds)
 
 
 def _compare(args: argparse.Namespace, config: TrainConfig) -> int:

@@ -2,8 +2,17 @@
 
 A payload is a safetensors file (never pickle) whose `__metadata__` says how to read it:
 `format=diloco-tensors`, `version`, `method`, `block`, `tensors` (JSON: name -> shape and
-original dtype), `wire_checksum` (BLAKE2b of the encoded entries) and an optional `meta`
+original dtype), `wire_checksum` (XXH3-128 of the encoded entries, `xxh3:<hex>`; a bare hex
+digest is the BLAKE2b-128 of payloads written before, still accepted) and an optional `meta`
 (JSON, used by `trainer.protocol` for the contribution header).
+
+Speed (a 12B model's fp32 contribution is 48 GB): the checksum hashes each tensor's own memory
+(no copy) with XXH3, about 30x faster than BLAKE2b and a corruption check, not a signature
+(the blob store and the channel are authenticated elsewhere); finiteness is one fused
+`torch._foreach_norm` (a NaN or Inf makes the norm non-finite; only then is the tensor
+checked element-wise, since a huge finite tensor can overflow its norm). Encoding hands the
+tensors' memory to safetensors, which writes each once into the result; decoding copies each
+entry once out of the immutable blob.
 
 Methods
   none   the tensors as they are (float32 stays float32): bit-exact.
@@ -26,6 +35,7 @@ import math
 import struct
 
 import torch
+import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -61,32 +71,44 @@ def _dtype_name(dtype: torch.dtype) -> str:
     raise InvalidPayload(f"unsupported dtype {dtype}")
 
 
+_QUANT_CHUNK = 8192  # blocks quantized at a time: the fp32 temporaries stay small and in cache
+
+
 def _quantize(x: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     block, qmax = BLOCK[method], QMAX[method]
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     nblocks = max(1, -(-n // block))
-    padded = torch.zeros(nblocks * block, dtype=torch.float32)
-    padded[:n] = flat
-    blocks = padded.view(nblocks, block)
-    scale = blocks.abs().amax(dim=1) / qmax
+    if n == nblocks * block:
+        blocks = flat.view(nblocks, block)  # no padded copy
+    else:
+        padded = torch.zeros(nblocks * block, dtype=torch.float32)
+        padded[:n] = flat
+        blocks = padded.view(nblocks, block)
+    # max |x| per block without an |x| temporary (amax and amin are vectorised, aminmax is not)
+    scale = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-    if method == "int4":
-        u = (q + 8).to(torch.uint8).view(-1)
-        q = u[0::2] | (u[1::2] << 4)
-    return q.reshape(-1).contiguous(), scale.contiguous()
+    int4 = method == "int4"
+    out = torch.empty(nblocks * block // (2 if int4 else 1), dtype=torch.uint8 if int4 else torch.int8)
+    scratch = torch.empty(min(nblocks, _QUANT_CHUNK), block)
+    for lo in range(0, nblocks, _QUANT_CHUNK):
+        hi = min(nblocks, lo + _QUANT_CHUNK)
+        q = torch.div(blocks[lo:hi], safe[lo:hi, None], out=scratch[: hi - lo]).round_().clamp_(-qmax, qmax)
+        if int4:
+            u = q.add_(8).to(torch.uint8).view(-1)
+            torch.bitwise_or(u[0::2], u[1::2] << 4, out=out[lo * block // 2:hi * block // 2])
+        else:
+            out[lo * block:hi * block].copy_(q.view(-1))
+    return out, scale.contiguous()
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, method: str, shape: list[int]) -> torch.Tensor:
     block = BLOCK[method]
-    if method == "int4":
-        lo = (q & 0x0F).to(torch.int16) - 8
-        hi = (q >> 4).to(torch.int16) - 8
-        vals = torch.stack([lo, hi], dim=1).reshape(-1)
+    if method == "int4":  # nibbles as int8, then (v - 8) * scale in fp32: exact before the product
+        vals = torch.stack([(q & 0x0F).to(torch.int8), (q >> 4).to(torch.int8)], dim=1)
+        out = vals.view(-1, block).float().sub_(8).mul_(scale[:, None])
     else:
-        vals = q.to(torch.int16)
-    out = vals.view(-1, block).float() * scale[:, None]
+        out = q.view(-1, block).float().mul_(scale[:, None])
     return out.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
@@ -114,19 +136,62 @@ def _entries(tensors: dict[str, torch.Tensor], method: str) -> tuple[dict[str, t
     return entries, spec
 
 
-def entries_checksum(entries: dict[str, torch.Tensor]) -> str:
-    h = hashlib.blake2b(digest_size=16)
+CHECKSUM_PREFIX = "xxh3:"
+
+
+def _digest(entries: dict[str, torch.Tensor], h) -> str:
     for name in sorted(entries):
         t = entries[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            h.update(_raw(t))
     return h.hexdigest()
 
 
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy when it is contiguous in host memory."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def entries_checksum(entries: dict[str, torch.Tensor]) -> str:
+    """XXH3-128 of names, dtypes, shapes and bytes, in name order."""
+    return CHECKSUM_PREFIX + _digest(entries, xxhash.xxh3_128())
+
+
+def checksum_matches(entries: dict[str, torch.Tensor], expected: object) -> bool:
+    """Whether `expected` is the checksum of `entries` (XXH3, or BLAKE2b for older payloads)."""
+    if not isinstance(expected, str):
+        return False
+    if expected.startswith(CHECKSUM_PREFIX):
+        return entries_checksum(entries) == expected
+    return _digest(entries, hashlib.blake2b(digest_size=16)) == expected
+
+
 def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """BLAKE2b-128 of names, dtypes, shapes and bytes, in name order."""
-    return entries_checksum({n: t.cpu() if t.device.type != "cpu" else t for n, t in tensors.items()})
+    """XXH3-128 of names, dtypes, shapes and bytes, in name order."""
+    return entries_checksum(tensors)
+
+
+def nonfinite_index(tensors: list[torch.Tensor], norms: list[torch.Tensor] | None = None) -> int | None:
+    """Index of the first tensor holding NaN or Inf, or None. One fused L2-norm pass (pass
+    `norms` when they are computed already); a non-finite norm is confirmed element-wise."""
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point() and t.numel()]
+    if not floats:
+        return None
+    if norms is None:
+        norms = torch._foreach_norm([tensors[i] for i in floats])
+    else:
+        norms = [norms[i] for i in floats]
+    finite = torch.isfinite(torch.stack(norms))
+    if bool(finite.all()):
+        return None
+    for j in torch.nonzero(~finite).reshape(-1).tolist():
+        if not bool(torch.isfinite(tensors[floats[j]]).all()):
+            return floats[j]
+    return None
 
 
 def encode(tensors: dict[str, torch.Tensor], method: str = "none", meta: dict | None = None) -> bytes:
@@ -182,12 +247,7 @@ def read_header(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
     return header
 
 
-def decode_with_meta(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES,
-                     allow_nonfinite: bool = False) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """Validate and decode a payload. Returns (tensors, meta). Raises InvalidPayload."""
-    header = read_header(blob, max_bytes)
-    md = header["__metadata__"]
-    method = md["method"]
+def _parse_metadata(md: dict) -> tuple[dict, dict | None]:
     try:
         spec = json.loads(md.get("tensors", ""))
         meta = json.loads(md["meta"]) if "meta" in md else None
@@ -195,52 +255,77 @@ def decode_with_meta(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES,
         raise InvalidPayload("payload metadata is not JSON") from exc
     if not isinstance(spec, dict):
         raise InvalidPayload("payload tensor list is malformed")
-    try:
-        entries = st_load(bytes(blob))
-    except Exception as exc:  # safetensors raises its own error types
-        raise InvalidPayload(f"payload is not valid safetensors: {exc}") from exc
-    if entries_checksum(entries) != md.get("wire_checksum"):
-        raise InvalidPayload("checksum mismatch")
-    expected_keys = set()
-    out: dict[str, torch.Tensor] = {}
     for name, info in spec.items():
         if (not isinstance(info, dict) or info.get("dtype") not in _FLOAT_DTYPES
                 or not isinstance(info.get("shape"), list)
                 or not all(isinstance(s, int) and s >= 0 for s in info["shape"])):
             raise InvalidPayload(f"tensor {name!r}: malformed description")
-        shape, numel = info["shape"], math.prod(info["shape"])
-        if method in ("none", "bf16"):
-            key = f"t/{name}"
-            expected_keys.add(key)
-            t = entries.get(key)
-            want = _FLOAT_DTYPES[info["dtype"]] if method == "none" else torch.bfloat16
-            if t is None or t.dtype != want or list(t.shape) != shape:
-                raise InvalidPayload(f"tensor {name!r}: missing or wrong dtype/shape")
-            out[name] = t if method == "none" else t.float()
-        else:
-            block = BLOCK[method]
-            nblocks = max(1, -(-numel // block))
-            qkey, skey = f"q/{name}", f"s/{name}"
-            expected_keys.update((qkey, skey))
-            q, s = entries.get(qkey), entries.get(skey)
-            qlen = nblocks * block // (2 if method == "int4" else 1)
-            qdtype = torch.uint8 if method == "int4" else torch.int8
-            if (q is None or s is None or q.dtype != qdtype or s.dtype != torch.float32
-                    or list(q.shape) != [qlen] or list(s.shape) != [nblocks]):
-                raise InvalidPayload(f"tensor {name!r}: quantized entries missing or malformed")
-            if method == "int8" and bool((q == -128).any()):
-                raise InvalidPayload(f"tensor {name!r}: value out of the quantization range")
-            if not allow_nonfinite and not bool(torch.isfinite(s).all()):
-                raise InvalidPayload(f"tensor {name!r}: non-finite scale (NaN/Inf)")
-            if bool((s < 0).any()):
-                raise InvalidPayload(f"tensor {name!r}: negative scale")
-            out[name] = _dequantize(q, s, method, shape)
-    if set(entries) != expected_keys:
+    return spec, meta
+
+
+def _load_entries(blob: bytes) -> dict[str, torch.Tensor]:
+    """The safetensors entries, each copied once out of the blob (no copy of the blob itself)."""
+    try:
+        return st_load(blob if isinstance(blob, bytes) else bytes(blob))
+    except Exception as exc:  # safetensors raises its own error types
+        raise InvalidPayload(f"payload is not valid safetensors: {exc}") from exc
+
+
+def _plain_tensor(entries: dict, name: str, info: dict, method: str) -> torch.Tensor:
+    t = entries.get(f"t/{name}")
+    want = _FLOAT_DTYPES[info["dtype"]] if method == "none" else torch.bfloat16
+    if t is None or t.dtype != want or list(t.shape) != info["shape"]:
+        raise InvalidPayload(f"tensor {name!r}: missing or wrong dtype/shape")
+    return t if method == "none" else t.float()
+
+
+def _quantized_tensor(entries: dict, name: str, info: dict, method: str,
+                      allow_nonfinite: bool) -> torch.Tensor:
+    block = BLOCK[method]
+    nblocks = max(1, -(-math.prod(info["shape"]) // block))
+    q, s = entries.get(f"q/{name}"), entries.get(f"s/{name}")
+    qlen = nblocks * block // (2 if method == "int4" else 1)
+    qdtype = torch.uint8 if method == "int4" else torch.int8
+    if (q is None or s is None or q.dtype != qdtype or s.dtype != torch.float32
+            or list(q.shape) != [qlen] or list(s.shape) != [nblocks]):
+        raise InvalidPayload(f"tensor {name!r}: quantized entries missing or malformed")
+    if method == "int8" and bool((q == -128).any()):
+        raise InvalidPayload(f"tensor {name!r}: value out of the quantization range")
+    if not allow_nonfinite and not bool(torch.isfinite(s).all()):
+        raise InvalidPayload(f"tensor {name!r}: non-finite scale (NaN/Inf)")
+    if bool((s < 0).any()):
+        raise InvalidPayload(f"tensor {name!r}: negative scale")
+    return _dequantize(q, s, method, info["shape"])
+
+
+def _entry_keys(spec: dict, method: str) -> set[str]:
+    if method in ("none", "bf16"):
+        return {f"t/{name}" for name in spec}
+    return {f"{k}/{name}" for name in spec for k in ("q", "s")}
+
+
+def decode_with_meta(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES,
+                     allow_nonfinite: bool = False) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Validate and decode a payload. Returns (tensors, meta). Raises InvalidPayload."""
+    header = read_header(blob, max_bytes)
+    md = header["__metadata__"]
+    method = md["method"]
+    spec, meta = _parse_metadata(md)
+    entries = _load_entries(blob)
+    if not checksum_matches(entries, md.get("wire_checksum")):
+        raise InvalidPayload("checksum mismatch")
+    if method in ("none", "bf16"):
+        out = {name: _plain_tensor(entries, name, info, method) for name, info in spec.items()}
+    else:
+        out = {name: _quantized_tensor(entries, name, info, method, allow_nonfinite)
+               for name, info in spec.items()}
+    if set(entries) != _entry_keys(spec, method):
         raise InvalidPayload("payload holds unexpected entries")
     if not allow_nonfinite:
-        for name, t in out.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise InvalidPayload(f"tensor {name!r}: holds NaN or Inf")
+        names = list(out)
+        bad = nonfinite_index([out[n] for n in names])
+        if bad is not None:
+            raise InvalidPayload(f"tensor {names[bad]!r}: holds NaN or Inf")
     return out, meta
 
 

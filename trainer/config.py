@@ -1,7 +1,10 @@
-"""Engine-side training settings.
+"""Engine-side training settings, and the defaults and rules the job spec shares with them.
 
 `TrainConfig` is what the engine objects (Learner, Syncer, drivers) read. It is built from the
-platform's job spec with `TrainConfig.from_spec(spec)` or directly (CLI, tests, simulator).
+platform's job spec by `TrainConfig.from_spec(spec)` (the one place spec fields map to engine
+settings) or directly (CLI, tests, simulator). The defaults that depend on other settings
+(quorum, inner lr, inner prox) and the token budget are functions here, so `trainer.spec`,
+the CLI and the config cannot disagree.
 """
 from __future__ import annotations
 
@@ -17,9 +20,29 @@ DEFAULT_INNER_LR = {"tiny": 5e-3, "small": 2e-3, "base": 1e-3}
 FALLBACK_INNER_LR = 1e-3
 
 
+DEFAULT_INNER_PROX = 25.0  # docs/engine.md, "Defaults": the run behind each default
+
+
 def default_inner_lr(model: str) -> float:
     """The inner lr a job of `model` gets when it names none."""
     return DEFAULT_INNER_LR.get(model, FALLBACK_INNER_LR)
+
+
+def default_inner_prox(inner_lr: float) -> float:
+    """The inner prox a job gets when it names none: 25, capped so a step never pulls past the global."""
+    return min(DEFAULT_INNER_PROX, 1.0 / inner_lr)
+
+
+def default_quorum(learners: int) -> int:
+    """K when a job names none: half the learners (at least one merges)."""
+    return max(1, learners // 2)
+
+
+def token_budget(learners: int, steps: int, batch_size: int, seq_len: int, max_tokens: int | None) -> int:
+    """Tokens of a whole job: every learner's steps of batch x sequence, capped by max_tokens."""
+    by_steps = learners * steps * batch_size * seq_len
+    return min(by_steps, max_tokens) if max_tokens else by_steps
+
 COMPRESSIONS = ("none", "bf16", "int8", "int4")
 FRAGMENT_MODES = ("strided", "balanced")
 
@@ -38,7 +61,7 @@ class TrainConfig:
     outer_momentum_warmup: int = 10   # outer steps over which the momentum ramps up from 0
     inner_lr: float | None = None     # None: by model size (default_inner_lr); ddp's own best differs
     weight_decay: float = 0.1
-    inner_prox: float = 25.0          # pull towards the adopted global, per unit of inner lr (0: off)
+    inner_prox: float = DEFAULT_INNER_PROX  # pull towards the adopted global, per unit of inner lr (0: off)
     warmup_steps: int = 20
     grad_clip: float = 1.0
     batch_size: int = 16
@@ -76,6 +99,11 @@ class TrainConfig:
         if self.inner_lr is None:
             self.inner_lr = default_inner_lr(self.model)
         self.validate()
+
+    @property
+    def total_tokens(self) -> int:
+        """Token budget of the whole run (see token_budget)."""
+        return token_budget(self.learners, self.steps, self.batch_size, self.seq_len, self.max_tokens)
 
     @property
     def tau(self) -> int:
@@ -125,16 +153,17 @@ class TrainConfig:
 
     @classmethod
     def from_spec(cls, spec: Any, **overrides: Any) -> TrainConfig:
-        """Build from a `trainer.spec.JobSpec` (or anything with the same attributes)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for name in names:
-            if hasattr(spec, name) and name != "extra":
-                values[name] = getattr(spec, name)
-        if getattr(spec, "eval_interval", None) is not None and "eval_every" not in overrides:
-            values["eval_every"] = int(spec.eval_interval)
+        """The engine settings of a `trainer.spec.JobSpec`: every runtime, the CLI's spec files and
+        the tests derive them here. Fields of the same name carry over; `eval_interval` is
+        `eval_every`; synchronous DiLoCo (`strategy` "diloco") merges only with every learner.
+        (`spec` is typed loosely: trainer.spec imports this module.)"""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        values: dict[str, Any] = {name: getattr(spec, name) for name in names if hasattr(spec, name)}
+        values["eval_every"] = int(spec.eval_interval)
         if values.get("quorum") is None:
-            values["quorum"] = max(1, int(values.get("learners", 4)) // 2)
+            values["quorum"] = default_quorum(int(values["learners"]))
+        if getattr(spec, "strategy", None) == "diloco":
+            values["quorum"] = int(values["learners"])
         values.update(overrides)
         return cls(**values)
 

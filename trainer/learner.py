@@ -23,12 +23,21 @@ where ref_p is the local weights at the time the outstanding contribution was se
 progress made meanwhile is kept, scaled by mix_alpha), or the previous base when nothing was
 outstanding (the unsent progress is kept, scaled). With lock-step learners (nothing happens
 between send and adopt) this is classic DiLoCo: local <- global. The inner AdamW state is kept.
+
+The contribution path stays off the training step's critical path: the local weights at send
+time go into a snapshot buffer per fragment, reused (no clone per send), and the delta into a
+payload buffer per fragment, reused once the previous contribution that carried it is gone (its
+consumer, e.g. the writer thread, encoded it). On CUDA the delta is computed and copied into
+pinned host memory on a side stream with non-blocking copies, overlapped with the next inner
+steps; the contribution carries the copy's event and `Contribution.wait()` (called by
+`to_bytes`, `Syncer.submit`) blocks on it, so the writer thread, not the training loop, waits.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +125,10 @@ class Learner:
             model = build_model(config.model, config.seq_len, config.seed, vocab_size=self.corpus.vocab_size)
         self.model = model.to(self.device)
         self.model.train()
+        # hooks of an island (trainer.island): the loss runs through DDP, each rank reads 1/ranks
+        # of the batch and counts the whole batch's tokens
+        self.forward_loss = self.model.loss
+        self.data_ranks = 1
         self.params = dict(self.model.named_parameters())
         self.fragments = make_fragments(self.model, config.fragments, config.fragment_mode)
         self.stream = TokenStream(
@@ -143,6 +156,13 @@ class Learner:
         self.last_loss = float("nan")
         self._due: list[Contribution] = []
         self.skipped_sends = 0
+        # reusable buffers of the contribution path (see the module docstring)
+        self._snapshots: dict[int, list[torch.Tensor]] = {}
+        self._payloads: dict[int, list[torch.Tensor]] = {}
+        self._payload_deltas: dict[int, list[torch.Tensor]] = {}  # on the device, CUDA only
+        self._payload_owner: dict[int, weakref.ref] = {}
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._param_list = [self.params[n] for names in self.fragments for n in names]
 
     # -- training ---------------------------------------------------------------------------
     @property
@@ -160,14 +180,14 @@ class Learner:
         x, y = self.stream.next_batch()
         x, y = x.to(self.device), y.to(self.device)
         with autocast(self.device, self.config.bf16):
-            loss = self.model.loss(x, y)
+            loss = self.forward_loss(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.config.inner_prox and not self.standalone:
             self._pull_towards_base(lr * self.config.inner_prox)
-        ntok = x.numel()
+        ntok = x.numel() * self.data_ranks
         self.inner_steps += 1
         self.tokens += ntok
         for since in self._since.values():
@@ -190,10 +210,10 @@ class Learner:
         (FedProx's proximal term, applied after the step): the learners stay near the global
         weights they share, so a larger inner lr buys progress without the drift that twenty
         local steps would otherwise add between merges."""
-        for p, names in enumerate(self.fragments):
-            for n in names:
-                x = self.params[n]
-                x.lerp_(self.base[p][n].to(x.dtype), rate)
+        base = [self.base[p][n] for p, names in enumerate(self.fragments) for n in names]
+        if any(b.dtype != x.dtype for b, x in zip(base, self._param_list, strict=True)):
+            base = [b.to(x.dtype) for b, x in zip(base, self._param_list, strict=True)]
+        torch._foreach_lerp_(self._param_list, base, rate)
 
     def set_work_size(self, inner_steps_per_cycle: int) -> None:
         """New H for this learner (dynamic local updates); applies from the next cycle."""
@@ -215,22 +235,68 @@ class Learner:
             return
         names = self.fragments[p]
         with torch.no_grad():
-            local = {n: self.params[n].detach().float().clone() for n in names}
-            delta = {n: (self.base[p][n] - local[n]).cpu() for n in names}
-        self._sent[p] = local
+            local = self._snapshot(p)
+            delta, ready = self._delta(p, local)
+        self._sent[p] = dict(zip(names, local, strict=True))
         self._sent_counts[p] = [tokens, steps]
-        self._due.append(
-            Contribution(
-                job=self.job,
-                learner=self.index,
-                incarnation=self.incarnation,
-                fragment=p,
-                base_version=self.adopted_versions[p],
-                tokens=tokens,
-                inner_steps=steps,
-                tensors=delta,
-            )
+        c = Contribution(
+            job=self.job,
+            learner=self.index,
+            incarnation=self.incarnation,
+            fragment=p,
+            base_version=self.adopted_versions[p],
+            tokens=tokens,
+            inner_steps=steps,
+            tensors=dict(zip(names, delta, strict=True)),
+            ready=ready,
         )
+        self._payload_owner[p] = weakref.ref(c)
+        self._due.append(c)
+
+    def _snapshot(self, p: int) -> list[torch.Tensor]:
+        """The fragment's local weights now, in fp32, in its reused snapshot buffer."""
+        names = self.fragments[p]
+        snap = self._snapshots.get(p)
+        if snap is None:
+            snap = self._snapshots[p] = [torch.empty_like(self.params[n], dtype=torch.float32) for n in names]
+        torch._foreach_copy_(snap, [self.params[n].detach() for n in names])
+        return snap
+
+    def _payload(self, p: int) -> list[torch.Tensor]:
+        """Host buffers for the fragment's delta: the previous ones once the contribution that
+        carried them is gone, else new ones (pinned on CUDA)."""
+        owner = self._payload_owner.get(p)
+        buf = self._payloads.get(p)
+        if buf is None or (owner is not None and owner() is not None):
+            pin = self.device.type == "cuda"
+            buf = [
+                torch.empty(self.params[n].shape, dtype=torch.float32, pin_memory=pin)
+                for n in self.fragments[p]
+            ]
+            self._payloads[p] = buf
+        return buf
+
+    def _delta(self, p: int, local: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+        """base - local into the payload buffers; on CUDA on the side stream, returning the
+        event that marks the host copy done (None on the CPU: done already)."""
+        base = [self.base[p][n] for n in self.fragments[p]]
+        out = self._payload(p)
+        if self._copy_stream is None:
+            torch._foreach_copy_(out, base)
+            torch._foreach_sub_(out, local)
+            return out, None
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the snapshot is taken
+        with torch.cuda.stream(stream):
+            dev = self._payload_deltas.get(p)
+            if dev is None:
+                dev = self._payload_deltas[p] = [torch.empty_like(t) for t in local]
+            torch._foreach_copy_(dev, base)
+            torch._foreach_sub_(dev, local)
+            torch._foreach_copy_(out, dev, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return out, ready
 
     def due_contributions(self) -> list[Contribution]:
         out, self._due = self._due, []
@@ -269,6 +335,8 @@ class Learner:
                 f"update of fragment {p} from version {g.base_version} does not apply to the adopted "
                 f"version {self.adopted_versions[p]}; fetch the full fragment"
             )
+        if self._copy_stream is not None:  # the side stream may still read base and the snapshot
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         alpha = self.config.mix_alpha
         sent = self._sent[p]
         for n in names:

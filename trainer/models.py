@@ -190,13 +190,6 @@ def job_model_figures(name: str, batch_size: int, seq_len: int, fragments: int =
     return model_figures(model_params(name, seq_len), batch_size, seq_len, fragments)
 
 
-def spec_model_figures(spec) -> tuple[float, float, int]:
-    """(memory GiB, FLOPs per token, fp32 bytes of one fragment) of a job spec's model: what the
-    dry run and the coordinator both hand to trainer.placement.place."""
-    f = job_model_figures(spec.model, spec.batch_size, spec.seq_len, spec.fragments)
-    return f.memory_gib, f.flops_per_token, f.fragment_bytes
-
-
 def model_memory_gib(name: str, seq_len: int = 64, batch_size: int = 0) -> float:
     """Training footprint estimate of one learner (see trainer.placement.model_figures)."""
     return job_model_figures(name, batch_size, seq_len).memory_gib

@@ -28,8 +28,12 @@ Objectives:
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from trainer.spec import JobSpec
 
 OBJECTIVES = ("time", "energy", "cost")
 WIRE_RATIO = {"none": 1.0, "bf16": 2.0, "int8": 4.0, "int4": 8.0}  # vs fp32 fragment_bytes
@@ -330,6 +334,56 @@ def place(
             f"H={work[slug]}, wire {wire[slug]}"
         )
     return Placement(assignments, work, wire, reasons, t, e, c, dev, tps)
+
+
+def free_slots(capacity: Mapping[str, int], busy: Mapping[str, int]) -> dict[str, int]:
+    """The free-slot rule: a pool's learner slots less its busy learners, never below zero."""
+    return {slug: max(0, int(cap) - int(busy.get(slug, 0))) for slug, cap in capacity.items()}
+
+
+def calibrate(pools: list[PoolInfo], model_flops_per_token: float) -> list[PoolInfo]:
+    """Pools without a measurement get the catalogue estimate scaled by the mean measured/estimated
+    ratio of the measured ones, so a measured pool is never compared with a raw peak-FLOPs guess."""
+    ratios = []
+    for info in pools:
+        if info.measured_tokens_per_s:
+            est = learner_tokens_per_s(dataclasses.replace(info, measured_tokens_per_s=None), 1,
+                                       model_flops_per_token)
+            if est > 0:
+                ratios.append(info.measured_tokens_per_s / est)
+    if not ratios:
+        return list(pools)
+    r = sum(ratios) / len(ratios)
+    return [
+        info if info.measured_tokens_per_s else dataclasses.replace(
+            info, measured_tokens_per_s=learner_tokens_per_s(info, 1, model_flops_per_token) * r)
+        for info in pools
+    ]
+
+
+def place_spec(
+    spec: JobSpec, figures: ModelFigures, pools: list[PoolInfo], learners: int | None = None
+) -> Placement:
+    """Place a job spec's learners (all of them, or `learners`): the one call the dry run and the
+    coordinator both make, so the preview is the placement the coordinator will make.
+
+    A learner's work is its share of the job's token budget; its cycle is `inner_steps` steps of
+    batch x sequence tokens; a compression the spec names wins over the link-fitted wire dtype.
+    A learner island (`devices_per_learner` > 1) takes that many devices; one device otherwise
+    unless the model needs more.
+    """
+    island = getattr(spec, "devices_per_learner", 1) or 1
+    plan = place(
+        spec.learners if learners is None else learners, pools, spec.objective,
+        model_memory_gib=figures.memory_gib, model_flops_per_token=figures.flops_per_token,
+        tokens_per_learner=max(1, spec.total_tokens // spec.learners), base_inner_steps=spec.inner_steps,
+        fragment_bytes=figures.fragment_bytes, fragments=spec.fragments,
+        tokens_per_step=spec.batch_size * spec.seq_len,
+        devices_per_learner=island if island > 1 else None,
+    )
+    if spec.compression != "none":
+        plan.wire_dtype = dict.fromkeys(plan.wire_dtype, spec.compression)
+    return plan
 
 
 def pool_from_catalogue(

@@ -9,6 +9,7 @@ raises `InvalidPayload` and nothing is returned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,10 +60,22 @@ class Contribution:
     tensors: dict[str, torch.Tensor]
     checksum: str = ""
     wire_bytes: int = field(default=0, compare=False)
+    # a CUDA event while the tensors are still being copied to host memory (the learner's side
+    # stream); `wait()` blocks on it and then takes the checksum
+    ready: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not self.checksum and self.ready is None:
+            self.checksum = tensor_checksum(self.tensors)
+
+    def wait(self) -> Contribution:
+        """Block until the tensors are in place (a no-op unless a device copy is in flight)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
         if not self.checksum:
             self.checksum = tensor_checksum(self.tensors)
+        return self
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -75,6 +88,7 @@ class Contribution:
 
     def to_state(self, **extra) -> dict:
         """In-process form for learner / syncer `state_dict()` (the checkpoint codec packs it)."""
+        self.wait()
         return dict(self.header(), tensors=self.tensors, checksum=self.checksum, **extra)
 
     @classmethod
@@ -84,6 +98,7 @@ class Contribution:
                    inner_steps=d["inner_steps"], tensors=d["tensors"], checksum=d["checksum"])
 
     def to_bytes(self, compression: str = "none") -> bytes:
+        self.wait()
         return encode(self.tensors, compression, meta=self.header())
 
     @classmethod

@@ -17,6 +17,7 @@ Pure policy (no Django, no I/O), shared by the coordinator and the simulator.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,53 @@ def _unit_cost(pool: PoolInfo, devices: int, v: float, objective: str) -> float:
     return devices * pool.cost_per_device_hour / v
 
 
+def _devices(pool: PoolInfo, devices_per_learner: int | dict[str, int] | None, memory_gib: float) -> int:
+    d = devices_per_learner.get(pool.slug) if isinstance(devices_per_learner, dict) else devices_per_learner
+    return d or devices_needed(pool, memory_gib)
+
+
+def _options(pools, free, devices_per_learner, model_memory_gib, model_flops_per_token):
+    """(pool, devices, tokens/s) of each active pool with room for one more learner now."""
+    for p in pools:
+        if p.state != "active":
+            continue
+        d = _devices(p, devices_per_learner, model_memory_gib)
+        if free.get(p.slug, 0) >= d:
+            v = learner_tokens_per_s(p, d, model_flops_per_token)
+            if v > 0:
+                yield p, d, v
+
+
+def _rescue_moves(rescues: list[LearnerStatus], options, objective: str, free: dict[str, int]) -> list[Move]:
+    """Lost learners and learners on pools that are not active go to the best pool with room."""
+    moves = []
+    for ls in sorted(rescues, key=lambda x: x.index):
+        best = min(options(), key=lambda o: _unit_cost(o[0], o[1], o[2], objective), default=None)
+        if best is None:
+            continue
+        p, d, _ = best
+        free[p.slug] -= d
+        why = "learner lost" if not ls.alive else f"pool {ls.pool} is not active"
+        moves.append(Move(ls.index, ls.pool, p.slug, f"{why}: re-dispatched to {p.slug}", math.inf))
+    return moves
+
+
+def _best_move(candidates, planned: list[Move], options, objective: str, min_gain: float):
+    """(gain, learner, its pool, target pool, devices) of the biggest gain above min_gain, or None."""
+    best = None
+    moved = {m.learner for m in planned}
+    for ls, cur, c_now in candidates:
+        if ls.index in moved:
+            continue
+        for p, d, v in options():
+            if p.slug == cur.slug:
+                continue
+            gain = c_now / _unit_cost(p, d, v, objective) - 1.0
+            if gain >= min_gain and (best is None or gain > best[0]):
+                best = (gain, ls, cur, p, d)
+    return best
+
+
 def plan_moves(
     learners: list[LearnerStatus],
     pools: list[PoolInfo],
@@ -79,34 +127,15 @@ def plan_moves(
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
     by_slug = {p.slug: p for p in pools}
     free = {p.slug: p.devices_free for p in pools if p.state == "active"}
+    options = functools.partial(
+        _options, pools, free, devices_per_learner, model_memory_gib, model_flops_per_token)
 
-    def options():
-        for p in pools:
-            if p.state != "active":
-                continue
-            if isinstance(devices_per_learner, dict):
-                d = devices_per_learner.get(p.slug) or devices_needed(p, model_memory_gib)
-            else:
-                d = devices_per_learner or devices_needed(p, model_memory_gib)
-            if free.get(p.slug, 0) >= d:
-                v = learner_tokens_per_s(p, d, model_flops_per_token)
-                if v > 0:
-                    yield p, d, v
-
-    moves: list[Move] = []
     rescues = [
         ls
         for ls in learners
         if not ls.alive or by_slug.get(ls.pool) is None or by_slug[ls.pool].state != "active"
     ]
-    for ls in sorted(rescues, key=lambda x: x.index):
-        best = min(options(), key=lambda o: _unit_cost(o[0], o[1], o[2], objective), default=None)
-        if best is None:
-            continue
-        p, d, _ = best
-        free[p.slug] -= d
-        why = "learner lost" if not ls.alive else f"pool {ls.pool} is not active"
-        moves.append(Move(ls.index, ls.pool, p.slug, f"{why}: re-dispatched to {p.slug}", math.inf))
+    moves = _rescue_moves(rescues, options, objective, free)
 
     candidates = []
     for ls in learners:
@@ -114,27 +143,14 @@ def plan_moves(
             continue
         cur = by_slug[ls.pool]
         v_now = ls.tokens_per_s or learner_tokens_per_s(cur, ls.devices, model_flops_per_token)
-        if v_now <= 0:
-            continue
-        candidates.append((ls, cur, _unit_cost(cur, ls.devices, v_now, objective)))
+        if v_now > 0:
+            candidates.append((ls, cur, _unit_cost(cur, ls.devices, v_now, objective)))
+    label = {"time": "faster", "energy": "less energy per token", "cost": "cheaper per token"}[objective]
     planned: list[Move] = []
-    while True:
-        best_move = None
-        for ls, cur, c_now in candidates:
-            if any(m.learner == ls.index for m in planned):
-                continue
-            for p, d, v in options():
-                if p.slug == cur.slug:
-                    continue
-                gain = c_now / _unit_cost(p, d, v, objective) - 1.0
-                if gain >= min_gain and (best_move is None or gain > best_move[0]):
-                    best_move = (gain, ls, cur, p, d)
-        if best_move is None:
-            break
-        gain, ls, cur, p, d = best_move
+    while (best := _best_move(candidates, planned, options, objective, min_gain)) is not None:
+        gain, ls, cur, p, d = best
         free[p.slug] -= d
         free[cur.slug] = free.get(cur.slug, 0) + ls.devices
-        label = {"time": "faster", "energy": "less energy per token", "cost": "cheaper per token"}[objective]
         planned.append(Move(ls.index, cur.slug, p.slug, f"{gain:+.0%} {label} on {p.slug}", gain))
         if max_moves is not None and len(moves) + len(planned) >= max_moves:
             break

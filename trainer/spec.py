@@ -6,21 +6,31 @@ happen in `apps.jobs.spec`.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainer.config import default_inner_lr
+from trainer.config import (
+    DEFAULT_INNER_PROX,
+    TrainConfig,
+    default_inner_lr,
+    default_inner_prox,
+    default_quorum,
+    token_budget,
+)
 
 MODEL_PRESETS = ("tiny", "small", "base")
-DEFAULT_INNER_PROX = 25.0  # docs/engine.md, "Defaults": the run behind each default
+# The engine's defaults are the spec's: written once, in trainer.config.TrainConfig.
+_D = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME_RE = re.compile(r"^[\w .,:()+/@-]+$")
 
 Strategy = Literal["decoupled", "diloco"]
 Compression = Literal["none", "bf16", "int8", "int4"]
 Objective = Literal["time", "energy", "cost"]
+InnerParallelism = Literal["ddp", "fsdp"]
 
 
 class JobSpec(BaseModel):
@@ -30,52 +40,63 @@ class JobSpec(BaseModel):
 
     name: str = Field("demo", min_length=1, max_length=100)
     strategy: Strategy = "decoupled"
-    model: str = Field("tiny", max_length=200, description="preset or package.module:factory")
+    model: str = Field(_D["model"], max_length=200, description="preset or package.module:factory")
     dataset: str = Field(
-        "stdlib", max_length=2000,
+        _D["dataset"], max_length=2000,
         description="'stdlib', or absolute paths under a data root: a list, or one string split on commas",
     )
-    learners: int = Field(4, ge=1, le=64, description="M: number of learners")
+    learners: int = Field(_D["learners"], ge=1, le=64, description="M: number of learners")
     min_learners: int | None = Field(None, ge=1, le=64)
     max_learners: int | None = Field(None, ge=1, le=64)
-    inner_steps: int = Field(20, ge=1, le=10_000, description="H: inner steps per outer round")
-    fragments: int = Field(1, ge=1, le=64, description="P: fragments synced on a staggered schedule")
+    inner_steps: int = Field(
+        _D["inner_steps"], ge=1, le=10_000, description="H: inner steps per outer round")
+    fragments: int = Field(
+        _D["fragments"], ge=1, le=64, description="P: fragments synced on a staggered schedule")
     quorum: int | None = Field(None, ge=1, le=64, description="K: minimum contributions per merge")
     syncer_shards: int = Field(
         1, ge=1, le=64, description="syncer tasks, each merging its share of the fragments (at most P)"
     )
-    outer_lr: float = Field(0.7, gt=0, le=2.0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1.0, description="Nesterov momentum of the outer step")
+    outer_lr: float = Field(_D["outer_lr"], gt=0, le=2.0)
+    outer_momentum: float = Field(
+        _D["outer_momentum"], ge=0, lt=1.0, description="Nesterov momentum of the outer step")
     outer_momentum_warmup: int = Field(
-        10, ge=0, le=100_000, description="outer steps over which the outer momentum ramps up from 0")
+        _D["outer_momentum_warmup"], ge=0, le=100_000,
+        description="outer steps over which the outer momentum ramps up from 0")
     inner_lr: float | None = Field(
         None, gt=0, le=1.0,
         description="inner AdamW lr; default by model size: tiny 5e-3, small 2e-3, others 1e-3",
     )
-    weight_decay: float = Field(0.1, ge=0, le=1.0)
+    weight_decay: float = Field(_D["weight_decay"], ge=0, le=1.0)
     inner_prox: float = Field(
         DEFAULT_INNER_PROX, ge=0, le=10_000,
         description="pull of each inner step towards the adopted global weights, per unit of inner lr "
         "(FedProx-style, keeps the learners from drifting apart; 0: off; default 25, at most 1 / inner_lr)",
     )
-    rda: bool = Field(True, description="radial-directional averaging of the merged pseudo-gradients")
-    warmup_steps: int = Field(20, ge=0, le=100_000)
-    grad_clip: float = Field(1.0, gt=0, le=1000)
-    batch_size: int = Field(16, ge=1, le=1024)
-    seq_len: int = Field(64, ge=8, le=8192)
-    steps: int = Field(400, ge=1, le=10_000_000, description="inner steps per learner (budget)")
+    rda: bool = Field(_D["rda"], description="radial-directional averaging of the merged pseudo-gradients")
+    warmup_steps: int = Field(_D["warmup_steps"], ge=0, le=100_000)
+    grad_clip: float = Field(_D["grad_clip"], gt=0, le=1000)
+    batch_size: int = Field(_D["batch_size"], ge=1, le=1024)
+    seq_len: int = Field(_D["seq_len"], ge=8, le=8192)
+    steps: int = Field(_D["steps"], ge=1, le=10_000_000, description="inner steps per learner (budget)")
     max_tokens: int | None = Field(None, ge=1, le=10**15, description="optional token budget")
-    compression: Compression = "none"
+    compression: Compression = _D["compression"]
     global_compression: Compression = Field(
-        "none", description="global updates sent down to learners (none: whole fp32 fragments)"
+        _D["global_compression"],
+        description="global updates sent down to learners (none: whole fp32 fragments)",
     )
     objective: Objective = "time"
     checkpoint_interval: int = Field(10, ge=1, le=100_000, description="outer steps between checkpoints")
     eval_interval: int = Field(5, ge=1, le=100_000, description="outer steps between evaluations")
-    max_staleness: int = Field(4, ge=0, le=1000, description="versions behind before dropped")
-    grace_cap_s: float = Field(2.0, ge=0, le=3600)
+    max_staleness: int = Field(
+        _D["max_staleness"], ge=0, le=1000, description="versions behind before dropped")
+    grace_cap_s: float = Field(_D["grace_cap_s"], ge=0, le=3600)
     pools: list[str] = Field(default_factory=list, max_length=64, description="restrict placement")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    devices_per_learner: int = Field(
+        1, ge=1, le=64, description="devices (processes) of one learner, all on one node: an island "
+        "training data-parallel inside (trainer.island)")
+    inner_parallelism: InnerParallelism = Field(
+        "ddp", description="how an island's devices share the inner steps (ddp; fsdp is not run yet)")
+    seed: int = Field(_D["seed"], ge=0, le=2**31 - 1)
 
     @field_validator("name")
     @classmethod
@@ -121,17 +142,23 @@ class JobSpec(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         if self.quorum is None:
-            self.quorum = max(1, self.learners // 2)
+            self.quorum = default_quorum(self.learners)
         if self.quorum > self.learners:
             raise ValueError("quorum: must not exceed learners")
         if self.inner_lr is None:
             self.inner_lr = default_inner_lr(self.model)
         if "inner_prox" not in self.model_fields_set:
-            self.inner_prox = min(DEFAULT_INNER_PROX, 1.0 / self.inner_lr)
+            self.inner_prox = default_inner_prox(self.inner_lr)
         if self.inner_lr * self.inner_prox > 1:
             raise ValueError("inner_prox: inner_lr x inner_prox must be <= 1 (no pull past the global)")
         if self.fragments > self.inner_steps:
             raise ValueError("fragments: must not exceed inner_steps (one sync per step at most)")
+        if self.batch_size % self.devices_per_learner:
+            raise ValueError("devices_per_learner: must divide batch_size (each device reads its share "
+                             "of the learner's batch)")
+        if self.inner_parallelism == "fsdp" and self.devices_per_learner > 1:
+            raise ValueError("inner_parallelism: islands run ddp for now; fsdp is not supported yet "
+                             "(docs/runtime.md)")
         if self.syncer_shards > self.fragments:
             raise ValueError("syncer_shards: must not exceed fragments (a shard merges whole fragments)")
         lo = self.min_learners or self.learners
@@ -144,9 +171,17 @@ class JobSpec(BaseModel):
 
     @property
     def total_tokens(self) -> int:
-        """Token budget of the whole job (all learners)."""
-        by_steps = self.learners * self.steps * self.batch_size * self.seq_len
-        return min(by_steps, self.max_tokens) if self.max_tokens else by_steps
+        """Token budget of the whole job (all learners; trainer.config.token_budget)."""
+        return token_budget(self.learners, self.steps, self.batch_size, self.seq_len, self.max_tokens)
+
+
+def stored_spec(data: object) -> JobSpec | None:
+    """A stored job's spec read back for display (defaults filled in, rules applied), or None when
+    it no longer validates. Running a job validates it again with the platform's rules."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError:
+        return None
 
 
 def spec_errors(exc: ValidationError) -> dict[str, list[str]]:

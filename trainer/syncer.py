@@ -50,15 +50,18 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from trainer.clock import Clock
-from trainer.compression import decode, tensor_checksum
+from trainer.compression import checksum_matches, decode, nonfinite_index
 from trainer.config import TrainConfig
 from trainer.fragments import make_fragments
+from trainer.fused import Combine, FragmentLayout, OuterStep, flat_copy, fused_merge
 from trainer.protocol import Contribution, GlobalFragment
 
 STATE_VERSION = 1
@@ -74,20 +77,37 @@ class SubmitResult:
     reason: str
 
 
-@dataclass
 class MergeResult:
-    fragment: int
-    version: int
-    global_fragment: GlobalFragment
-    contributors: list[dict]
-    merged_norm: float
-    duration_s: float
+    """What a merge did. `global_fragment` (a copy of the new published weights) is taken when
+    first read, or by the syncer itself before the fragment changes again, so a caller that
+    never reads it does not pay for copying the fragment."""
+
+    def __init__(self, fragment: int, version: int, contributors: list[dict], merged_norm: float,
+                 duration_s: float, take: Callable[[], GlobalFragment]) -> None:
+        self.fragment = fragment
+        self.version = version
+        self.contributors = contributors
+        self.merged_norm = merged_norm
+        self.duration_s = duration_s
+        self._take: Callable[[], GlobalFragment] | None = take
+        self._global: GlobalFragment | None = None
+
+    @property
+    def global_fragment(self) -> GlobalFragment:
+        self.settle()
+        return self._global
+
+    def settle(self) -> None:
+        """Take the copy now (the syncer calls this before it changes the fragment)."""
+        if self._take is not None:
+            self._global, self._take = self._take(), None
 
 
 @dataclass
 class _Pending:
     contribution: Contribution
     arrived: float
+    norms: list[float]  # per tensor, in fragment order, taken by the validation pass
 
 
 @dataclass
@@ -132,7 +152,13 @@ class Syncer:
         named = dict(initial.named_parameters()) if isinstance(initial, nn.Module) else dict(initial)
         self.fragments = make_fragments(named, config.fragments, config.fragment_mode)
         self.fragment_of = {n: p for p, names in enumerate(self.fragments) for n in names}
-        self.params: dict[str, torch.Tensor] = {n: t.detach().float().cpu().clone() for n, t in named.items()}
+        # each fragment's weights (and momentum) are views of one flat buffer: the merge runs over
+        # it in cache-sized chunks (trainer.fused)
+        self._layouts = [FragmentLayout([named[n].shape for n in names]) for names in self.fragments]
+        self.params: dict[str, torch.Tensor] = {}
+        self._flat: list[torch.Tensor] = []
+        self._set_params(named)
+        self._mom_flat: dict[int, torch.Tensor] = {}
         # What learners hold: the params themselves, or (global_compression != none) the sum of the
         # compressed updates sent so far; the rounding residual stays in params - published and
         # goes out with the next update (error feedback).
@@ -147,7 +173,8 @@ class Syncer:
         self.rejections: dict[str, int] = {}
         self.merges = 0
         self._rounds: dict[int, _Round] = {p: _Round() for p in range(len(self.fragments))}
-        self._acc: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        self._acc: dict[int, torch.Tensor] = {}  # one merge buffer per fragment, reused
+        self._unread: dict[int, weakref.ref[MergeResult]] = {}
         self._last_arrival: dict[tuple[int, int], float] = {}
         self.xi_step = _Ema(config.ema_beta)
         self.xi_quorum = _Ema(config.ema_beta)
@@ -161,42 +188,14 @@ class Syncer:
 
     def submit(self, c: Contribution, now: float | None = None) -> SubmitResult:
         now = self.clock.now() if now is None else now
-        if c.job != self.job:
-            return self._reject(f"wrong_job: {c.job!r} is not {self.job!r}")
+        c.wait()  # a learner's copy to host memory may still be in flight
+        reason = self._check_header(c)
+        norms = None
+        if reason is None:
+            reason, norms = self._check_tensors(c)
+        if reason is not None:
+            return self._reject(reason)
         newest = self.incarnations.get(c.learner, 0)
-        if c.incarnation < newest and self.fence_incarnations:
-            return self._reject(f"fenced: incarnation {c.incarnation} of learner {c.learner} is superseded")
-        if not 0 <= c.fragment < len(self.fragments):
-            return self._reject(f"bad_fragment: {c.fragment}")
-        if c.key in self.applied:
-            return self._reject("duplicate: already applied")
-        rnd = self._rounds[c.fragment]
-        if c.key in rnd.pending:
-            return self._reject("duplicate: already pending")
-        version = self.versions[c.fragment]
-        if c.base_version > version:
-            return self._reject(f"future: base version {c.base_version} > {version}")
-        if version - c.base_version > self.config.max_staleness:
-            return self._reject(
-                f"stale: {version - c.base_version} versions behind (max {self.config.max_staleness})"
-            )
-        if c.tokens < 1 or c.inner_steps < 1:
-            return self._reject("invalid: tokens and inner_steps must be >= 1")
-        names = self.fragments[c.fragment]
-        if set(c.tensors) != set(names):
-            return self._reject("invalid: tensor names do not match the fragment")
-        for n in names:
-            t = c.tensors[n]
-            if t.shape != self.params[n].shape:
-                want = tuple(self.params[n].shape)
-                return self._reject(f"invalid: {n} has shape {tuple(t.shape)}, expected {want}")
-            if t.dtype != torch.float32:
-                return self._reject(f"invalid: {n} has dtype {t.dtype}, expected float32")
-            if not bool(torch.isfinite(t).all()):
-                return self._reject(f"nonfinite: {n} holds NaN or Inf")
-        if tensor_checksum(c.tensors) != c.checksum:
-            return self._reject("checksum: payload does not match its checksum")
-        # accepted
         if c.incarnation > newest and self.fence_incarnations:
             self.fence(c.learner, c.incarnation)
         self.incarnations[c.learner] = max(newest, c.incarnation)
@@ -204,14 +203,57 @@ class Syncer:
         if last is not None and now > last:
             self.xi_step.update((now - last) / c.inner_steps)
         self._last_arrival[(c.learner, c.fragment)] = now
+        rnd = self._rounds[c.fragment]
         if rnd.first_arrival is None:
             rnd.first_arrival = now
-        rnd.pending[c.key] = _Pending(c, now)
+        rnd.pending[c.key] = _Pending(c, now, norms)
         if rnd.quorum_at is None and len(rnd.pending) >= self.config.quorum:
             rnd.quorum_at = now
             self.xi_quorum.update(now - rnd.first_arrival)
             rnd.deadline = now + self.grace_window()
         return SubmitResult(True, "accepted")
+
+    def _check_header(self, c: Contribution) -> str | None:
+        """Why the contribution's identity and counts are refused (None: they are fine)."""
+        if c.job != self.job:
+            return f"wrong_job: {c.job!r} is not {self.job!r}"
+        if c.incarnation < self.incarnations.get(c.learner, 0) and self.fence_incarnations:
+            return f"fenced: incarnation {c.incarnation} of learner {c.learner} is superseded"
+        if not 0 <= c.fragment < len(self.fragments):
+            return f"bad_fragment: {c.fragment}"
+        if c.key in self.applied:
+            return "duplicate: already applied"
+        if c.key in self._rounds[c.fragment].pending:
+            return "duplicate: already pending"
+        version = self.versions[c.fragment]
+        if c.base_version > version:
+            return f"future: base version {c.base_version} > {version}"
+        if version - c.base_version > self.config.max_staleness:
+            return f"stale: {version - c.base_version} versions behind (max {self.config.max_staleness})"
+        if c.tokens < 1 or c.inner_steps < 1:
+            return "invalid: tokens and inner_steps must be >= 1"
+        return None
+
+    def _check_tensors(self, c: Contribution) -> tuple[str | None, list[float] | None]:
+        """Names, shapes, dtypes, finiteness (one fused norm pass, whose per-tensor norms the
+        merge reuses) and checksum; returns (why refused or None, the norms)."""
+        names = self.fragments[c.fragment]
+        if set(c.tensors) != set(names):
+            return "invalid: tensor names do not match the fragment", None
+        tensors = [c.tensors[n] for n in names]
+        for n, t in zip(names, tensors, strict=True):
+            want = self.params[n].shape
+            if t.shape != want:
+                return f"invalid: {n} has shape {tuple(t.shape)}, expected {tuple(want)}", None
+            if t.dtype != torch.float32:
+                return f"invalid: {n} has dtype {t.dtype}, expected float32", None
+        norms = torch._foreach_norm(tensors)
+        bad = nonfinite_index(tensors, norms)
+        if bad is not None:
+            return f"nonfinite: {names[bad]} holds NaN or Inf", None
+        if not checksum_matches(c.tensors, c.checksum):
+            return "checksum: payload does not match its checksum", None
+        return None, torch.stack(norms).tolist()
 
     def fence(self, learner: int, incarnation: int) -> None:
         """Refuse contributions of `learner` from incarnations older than `incarnation`."""
@@ -282,36 +324,28 @@ class Syncer:
         t0 = time.perf_counter()
         rnd = self._rounds[fragment]
         version = self.versions[fragment]
-        entries = [
-            e
-            for e in rnd.pending.values()
-            if version - e.contribution.base_version <= self.config.max_staleness
-        ]
-        dropped = len(rnd.pending) - len(entries)
-        if dropped:
-            self.rejections["stale"] = self.rejections.get("stale", 0) + dropped
-        if not entries:
-            raise ValueError(f"fragment {fragment}: nothing to merge")
-        if not force and len(entries) < self.config.quorum:
-            raise ValueError(
-                f"fragment {fragment}: {len(entries)} contributions, quorum is {self.config.quorum}"
-            )
-        entries.sort(key=lambda e: e.contribution.key)
+        entries = self._mergeable(fragment, version, force)
+        self._settle([fragment])
         weights = [self.weight(e.contribution, version) for e in entries]
         total = sum(weights)
         norm_w = [w / total for w in weights]
         names = self.fragments[fragment]
         deltas = [[e.contribution.tensors[n] for n in names] for e in entries]
-        merged = self._combine(names, deltas, norm_w)
-        merged_norm = math.sqrt(sum(float(x) ** 2 for x in torch._foreach_norm(merged)))
-        health = [self._health(d, merged, merged_norm) for d in deltas]  # before `merged` is consumed
-        self._outer_step(names, merged, version)  # consumes `merged` (a fresh buffer) in place
+        acc = self._acc.get(fragment)
+        if acc is None:
+            acc = self._acc[fragment] = torch.empty(self._layouts[fragment].numel)
+        merged_norms, dots = fused_merge(
+            self._layouts[fragment], deltas, self._combine_rule(names, entries, norm_w), acc,
+            self._flat[fragment], self._step_rule(fragment, version),
+        )
+        merged_norm = math.sqrt(sum(x * x for x in merged_norms))
         new_version = version + 1
         self.versions[fragment] = new_version
         self._publish(fragment, version, new_version)
         contributors = []
-        for e, w, (norm, cosine) in zip(entries, norm_w, health, strict=True):
+        for e, w, dot in zip(entries, norm_w, dots, strict=True):
             c = e.contribution
+            norm, cosine = self._health(e.norms, dot, merged_norm)
             self.applied.add(c.key)
             contributors.append(
                 {
@@ -332,56 +366,100 @@ class Syncer:
         duration = time.perf_counter() - t0
         self.xi_sync.update(duration)
         self.merges += 1
-        return MergeResult(
+        result = MergeResult(
             fragment=fragment,
             version=new_version,
-            global_fragment=self.global_fragment(fragment),
             contributors=contributors,
             merged_norm=merged_norm,
             duration_s=duration,
+            take=lambda: self.global_fragment(fragment),
         )
+        self._unread[fragment] = weakref.ref(result)
+        return result
+
+    def _settle(self, fragments: list[int]) -> None:
+        """Let the merge results still alive and unread copy their fragment before it changes."""
+        for p in fragments:
+            ref = self._unread.pop(p, None)
+            result = ref() if ref is not None else None
+            if result is not None:
+                result.settle()
+
+    def _mergeable(self, fragment: int, version: int, force: bool) -> list[_Pending]:
+        """The pending contributions the staleness bound still admits, in key order."""
+        rnd = self._rounds[fragment]
+        entries = [
+            e
+            for e in rnd.pending.values()
+            if version - e.contribution.base_version <= self.config.max_staleness
+        ]
+        dropped = len(rnd.pending) - len(entries)
+        if dropped:
+            self.rejections["stale"] = self.rejections.get("stale", 0) + dropped
+        if not entries:
+            raise ValueError(f"fragment {fragment}: nothing to merge")
+        if not force and len(entries) < self.config.quorum:
+            raise ValueError(
+                f"fragment {fragment}: {len(entries)} contributions, quorum is {self.config.quorum}"
+            )
+        entries.sort(key=lambda e: e.contribution.key)
+        return entries
 
     @staticmethod
-    def _health(delta: list[torch.Tensor], merged: list[torch.Tensor], merged_norm: float) -> tuple:
+    def _health(norms: list[float], dot: float, merged_norm: float) -> tuple:
         """(L2 norm of one contribution's pseudo-gradient, its cosine to the merged one; None when
         either is zero) over the fragment's tensors."""
-        norm = math.sqrt(sum(float(x) ** 2 for x in torch._foreach_norm(delta)))
+        norm = math.sqrt(sum(x * x for x in norms))
         if norm == 0 or merged_norm == 0:
             return norm, None
-        dot = sum(float(torch.vdot(d.reshape(-1), m.reshape(-1))) for d, m in zip(delta, merged, strict=True))
         return norm, max(-1.0, min(1.0, dot / (norm * merged_norm)))
 
-    def _combine(
-        self, names: list[str], deltas: list[list[torch.Tensor]], w: list[float]
-    ) -> list[torch.Tensor]:
-        if self.config.rda:
-            out = []
-            for i, n in enumerate(names):
-                if is_embedding(n):
-                    acc = deltas[0][i] * w[0]
-                    for m in range(1, len(deltas)):
-                        acc.add_(deltas[m][i], alpha=w[m])
-                    out.append(acc)
-                    continue
-                norms = [float(d[i].norm()) for d in deltas]
-                direction = torch.zeros_like(deltas[0][i])
-                magnitude = 0.0
-                for m, d in enumerate(deltas):
-                    if norms[m] > 0:
-                        direction.add_(d[i], alpha=w[m] / norms[m])
-                        magnitude += w[m] * norms[m]
-                dn = float(direction.norm())
-                out.append(direction.mul_(magnitude / dn) if dn > 0 else direction)
-            return out
-        # one accumulator per fragment, reused across merges (no fresh allocation, no page faults)
-        acc = self._acc.get(tuple(names))
-        if acc is None:
-            acc = self._acc[tuple(names)] = [torch.empty_like(d) for d in deltas[0]]
-        for a, d in zip(acc, deltas[0], strict=True):
-            torch.mul(d, w[0], out=a)
-        for m in range(1, len(deltas)):
-            torch._foreach_add_(acc, deltas[m], alpha=w[m])
-        return acc
+    def _combine_rule(self, names: list[str], entries: list[_Pending], w: list[float]) -> Combine:
+        """Token-weighted mean; with `rda`, non-embedding tensors average direction and magnitude
+        apart (the norms come from the validation pass)."""
+        if not self.config.rda:
+            return Combine(alpha=w)
+        embedding = [is_embedding(n) for n in names]
+        alpha = [
+            [wm if emb else (wm / nm if nm > 0 else 0.0) for emb, nm in zip(embedding, e.norms, strict=True)]
+            for wm, e in zip(w, entries, strict=True)
+        ]
+        magnitude = [0.0] * len(names)
+        for wm, e in zip(w, entries, strict=True):
+            for i, nm in enumerate(e.norms):
+                if nm > 0:
+                    magnitude[i] += wm * nm
+        return Combine(alpha=alpha, magnitude=magnitude, embedding=embedding)
+
+    def _step_rule(self, fragment: int, step: int) -> OuterStep:
+        lr, mu = self.config.outer_lr, self.momentum_at(step)
+        if self.config.outer_momentum == 0:
+            return OuterStep(lr, mu, None)
+        momentum = self._mom_flat.get(fragment)
+        if momentum is not None:
+            return OuterStep(lr, mu, momentum)
+        momentum = self._mom_flat[fragment] = torch.empty(self._layouts[fragment].numel)
+        views = self._layouts[fragment].views(momentum)
+        self.momentum.update(zip(self.fragments[fragment], views, strict=True))
+        return OuterStep(lr, mu, momentum, fresh=True)
+
+    def _set_params(self, named: dict[str, torch.Tensor]) -> None:
+        self._flat = []
+        for names in self.fragments:
+            flat, views = flat_copy([named[n] for n in names])
+            self._flat.append(flat)
+            self.params.update(zip(names, views, strict=True))
+
+    def _set_momentum(self, momentum: dict[str, torch.Tensor]) -> None:
+        self.momentum, self._mom_flat = {}, {}
+        for p, names in enumerate(self.fragments):
+            held = [n in momentum for n in names]
+            if not any(held):
+                continue
+            if not all(held):
+                raise ValueError(f"syncer state holds momentum for part of fragment {p}")
+            self._mom_flat[p], views = flat_copy([momentum[n] for n in names])
+            self.momentum.update(zip(names, views, strict=True))
 
     def momentum_at(self, step: int) -> float:
         """Outer momentum for the fragment's `step`-th outer step (0-based): ramped up linearly
@@ -389,24 +467,6 @@ class Syncer:
         run from scratch are not carried on for dozens of steps."""
         mu, warm = self.config.outer_momentum, self.config.outer_momentum_warmup
         return mu if warm <= 0 else mu * min(1.0, step / warm)
-
-    def _outer_step(self, names: list[str], grads: list[torch.Tensor], step: int = 0) -> None:
-        lr, mu = self.config.outer_lr, self.momentum_at(step)
-        params = [self.params[n] for n in names]
-        if self.config.outer_momentum == 0:
-            torch._foreach_add_(params, grads, alpha=-lr)
-            return
-        missing = [n for n in names if n not in self.momentum]
-        for n, g in zip(names, grads, strict=True):
-            if n in missing:
-                self.momentum[n] = g.clone()
-        bufs = [self.momentum[n] for n in names]
-        present = [i for i, n in enumerate(names) if n not in missing]
-        if present:
-            torch._foreach_mul_([bufs[i] for i in present], mu)
-            torch._foreach_add_([bufs[i] for i in present], [grads[i] for i in present])
-        torch._foreach_add_(grads, bufs, alpha=mu)  # g + mu b, the op order of torch.optim.SGD
-        torch._foreach_add_(params, grads, alpha=-lr)
 
     def _prune(self, fragment: int) -> None:
         floor = self.versions[fragment] - self.config.max_staleness
@@ -502,8 +562,10 @@ class Syncer:
             raise ValueError(f"syncer state version {state.get('version')!r} is not {STATE_VERSION}")
         if set(state["params"]) != set(self.params):
             raise ValueError("syncer state holds different parameters")
-        self.params = {n: t.float().clone() for n, t in state["params"].items()}
-        self.momentum = {n: t.float().clone() for n, t in state["momentum"].items()}
+        self._settle(list(range(len(self.fragments))))
+        self.params = {}
+        self._set_params(state["params"])
+        self._set_momentum(state["momentum"])
         self.versions = {int(p): int(v) for p, v in state["versions"].items()}
         self.applied = {tuple(int(x) for x in k) for k in state["applied"]}
         self.incarnations = {int(k): int(v) for k, v in state["incarnations"].items()}

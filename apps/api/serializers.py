@@ -9,6 +9,7 @@ from rest_framework.validators import UniqueValidator
 from apps.inventory.models import AcceleratorType, Node, Pool
 from apps.jobs.access import team_error, team_names
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
+from trainer.spec import stored_spec
 
 from .models import ApiToken
 
@@ -128,13 +129,8 @@ class JobSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_total_tokens(self, job) -> int:
-        s = job.spec or {}
-        try:
-            by_steps = int(s["learners"]) * int(s["steps"]) * int(s["batch_size"]) * int(s["seq_len"])
-        except (KeyError, TypeError, ValueError):
-            return 0
-        cap = s.get("max_tokens")
-        return min(by_steps, int(cap)) if cap else by_steps
+        spec = stored_spec(job.spec)
+        return spec.total_tokens if spec else 0
 
     def get_tokens_done(self, job) -> int:
         live = getattr(job, "learner_tokens", None)
@@ -182,10 +178,13 @@ class JobDetailSerializer(JobSerializer):
         return latest_values(job)
 
     def get_learner_counts(self, job) -> dict[str, int]:
-        from django.db.models import Count
+        counts = {state: getattr(job, f"learners_{state}", None) for state in Learner.State.values}
+        if None in counts.values():  # not annotated by the view (views.jobs.with_learner_counts)
+            from django.db.models import Count
 
-        rows = Learner.objects.filter(job=job).values("state").annotate(n=Count("id"))
-        return {r["state"]: r["n"] for r in rows}
+            rows = Learner.objects.filter(job=job).values("state").annotate(n=Count("id"))
+            return {r["state"]: r["n"] for r in rows}
+        return {state: n for state, n in counts.items() if n}
 
 
 class LearnerSerializer(serializers.ModelSerializer):

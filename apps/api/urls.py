@@ -2,7 +2,7 @@ from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from .views import agent, auth, checkpoints, inventory, jobs
+from .views import agent, auth, checkpoints, compare, inventory, jobs
 from .views.common import not_found
 
 router = DefaultRouter()
@@ -18,6 +18,7 @@ router.register("auth/tokens", auth.ApiTokenViewSet, basename="apitoken")
 v1 = [
     path("auth/token/", auth.ObtainTokenView.as_view(), name="auth-token"),
     path("auth/me/", auth.MeView.as_view(), name="auth-me"),
+    path("compare/", compare.CompareView.as_view(), name="compare"),
     path("agent/assignments/", agent.AssignmentListView.as_view(), name="agent-assignments"),
     re_path(r"^agent/jobs/(?P<job_id>[0-9]+)/learners/(?P<index>[0-9]+)/$",
             agent.AssignmentView.as_view(), name="agent-assignment"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from apps.jobs.admin import ReadOnlyAdmin
+from apps.jobs.admin import JobAdmin, ReadOnlyAdmin
 
 from .models import LearnerRuntime, SyncerLease
 
@@ -39,3 +39,8 @@ class SyncerLeaseInline(admin.TabularInline):
 
     def has_add_permission(self, request, obj=None):
         return False
+
+
+# The job page shows its syncer shards: the coordinator adds its inline to the jobs admin (the
+# coordinator depends on jobs, never the reverse).
+JobAdmin.inlines = (*JobAdmin.inlines, SyncerLeaseInline)

@@ -61,17 +61,13 @@ def job_spec(job):
     every time it is used, so a spec stored before a rule tightened cannot run code or read files."""
     from apps.jobs.spec import validate_spec
 
-    return validate_spec(job.spec)
+    return validate_spec(job.spec, fleet=False)
 
 
 def train_config(job):
     from trainer.config import TrainConfig
 
-    spec = job_spec(job)
-    extra = {}
-    if spec.strategy == "diloco":  # synchronous DiLoCo: every outer step waits for all learners
-        extra["quorum"] = spec.learners
-    return TrainConfig.from_spec(spec, cache_dir=default_cache_dir(), **extra)
+    return TrainConfig.from_spec(job_spec(job), cache_dir=default_cache_dir())
 
 
 def default_cache_dir() -> str:

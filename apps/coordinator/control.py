@@ -16,6 +16,7 @@ from django.db.models import F, Q
 from apps.inventory.models import Node, Pool
 from apps.jobs import state as st
 from apps.jobs.models import Event, Incident, Job, Learner
+from trainer.spec import stored_spec
 
 from .common import (
     event,
@@ -28,7 +29,17 @@ from .common import (
     start_timeout,
     syncer_timeout,
 )
-from .dispatch import BUSY, choose_pool, dispatch, free_slots, mark_node_lost, place_job
+from .dispatch import (
+    BUSY,
+    choose_pool,
+    dispatch,
+    figures,
+    free_slots,
+    mark_node_lost,
+    model_figures,
+    place_job,
+    pool_infos,
+)
 from .models import LearnerRuntime, SyncerLease
 
 ACTIVE = (st.RUNNING, st.PAUSING)
@@ -68,20 +79,14 @@ def fail_job(job: Job, reason: str) -> bool:
 
 def _never_fits(job: Job, spec) -> str | None:
     """Why the job cannot be placed even on an empty fleet of its pools (None: it can, later)."""
-    from trainer.placement import PlacementError, place
-
-    from .dispatch import model_figures, pool_infos
+    from trainer.placement import PlacementError, place_spec
 
     everything = dict(Pool.objects.values_list("slug", "device_count"))
-    infos = [dataclasses.replace(i, state="active") for i in pool_infos(job, everything)]
+    infos = [dataclasses.replace(i, state="active") for i in pool_infos(spec, job, everything)]
     if not infos:
         return None  # no pool yet: the job waits for the operator to add one
-    mem, flops, frag_bytes = model_figures(spec)
     try:
-        place(spec.learners, infos, spec.objective, model_memory_gib=mem, model_flops_per_token=flops,
-              tokens_per_learner=spec.steps * spec.batch_size * spec.seq_len,
-              base_inner_steps=spec.inner_steps, fragment_bytes=frag_bytes, fragments=spec.fragments,
-              tokens_per_step=spec.batch_size * spec.seq_len)
+        place_spec(spec, figures(spec), infos)
     except PlacementError as exc:
         return str(exc)
     return None
@@ -175,13 +180,14 @@ def dispatch_pending(job: Job) -> int:
 
 def ensure_syncer(job: Job) -> None:
     """Start each syncer shard of the job that holds no fresh lease (restart after a death)."""
-    shards = max(1, int((job.spec or {}).get("syncer_shards") or 1))
+    spec = stored_spec(job.spec)
+    shards = spec.syncer_shards if spec else 1
     for shard in range(shards):
         _ensure_syncer_shard(job, shard, shards)
 
 
 def _ensure_syncer_shard(job: Job, shard: int, shards: int) -> None:
-    from .tasks import run_syncer
+    from diloco_platform.celery import RUN_SYNCER, send
 
     # lease.worker: "" = no syncer (never started or stopped cleanly), "dispatched" = sent,
     # else the worker running it; last_heartbeat: its pulse (or the dispatch time)
@@ -205,7 +211,7 @@ def _ensure_syncer_shard(job: Job, shard: int, shards: int) -> None:
         lease.worker = "dispatched"
         lease.started_at = None
         lease.save()
-        transaction.on_commit(lambda: run_syncer.delay(job.pk, epoch, shard))
+        transaction.on_commit(lambda: send(RUN_SYNCER, job.pk, epoch, shard))
     if lost:
         event(job, Event.Kind.FAILED, f"{name} lost; restarting from commit {lease.commits} (epoch {epoch})",
               {"epoch": epoch, "commits": lease.commits, "shard": shard})
@@ -386,8 +392,6 @@ def rebalance() -> dict:
     """Drain, DyLU work sizes from measured throughput, moves to better pools, elastic size."""
     from trainer.rebalance import LearnerStatus, plan_moves, resize_work
 
-    from .dispatch import model_figures, pool_infos
-
     out = {"resized": 0, "moves": 0}
     for job in Job.objects.filter(status=st.RUNNING):
         spec = job_spec(job)
@@ -418,7 +422,7 @@ def rebalance() -> dict:
             status = [LearnerStatus(index=lr.index, pool=lr.pool.slug, tokens_per_s=lr.tokens_per_s)
                       for lr in running if lr.pool]
             try:
-                moves = plan_moves(status, pool_infos(job), spec.objective, model_memory_gib=mem,
+                moves = plan_moves(status, pool_infos(spec, job), spec.objective, model_memory_gib=mem,
                                    model_flops_per_token=flops, max_moves=1, min_gain=MOVE_MIN_GAIN)
             except Exception:
                 log.debug("plan_moves failed", exc_info=True)

@@ -3,7 +3,8 @@
 Capacity of a pool = the device slots of its live nodes (a node is live while it has been
 seen within the node timeout and was not declared lost), or the pool's device_count when no
 node of it has registered yet. Slots in use = learners of any job that are starting or
-running there.
+running there. `plan` is the one placement of a spec: place_job makes it, the dry run
+(apps.api.placement) shows it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from django.db import transaction
 from django.db.models import Count, Q
 
 from apps.inventory.models import Node, Pool
-from apps.jobs.models import Event, Learner
+from apps.jobs.models import Event, Job, Learner
+from trainer import placement
+from trainer.placement import PoolInfo
+from trainer.spec import JobSpec, stored_spec
 
 from .common import event, job_spec, log, node_timeout, now
 from .models import LearnerRuntime
@@ -38,63 +42,51 @@ def pool_capacity(pool: Pool) -> int:
 
 
 def free_slots(exclude_learner: Learner | None = None) -> dict[str, int]:
-    """Free learner slots per active pool."""
-    used = dict(
+    """Free learner slots per active pool (trainer.placement.free_slots over live capacity)."""
+    busy = dict(
         Learner.objects.filter(state__in=BUSY, pool__isnull=False)
         .exclude(pk=exclude_learner.pk if exclude_learner else None)
         .values_list("pool__slug").annotate(n=Count("id"))
     )
-    out = {}
-    for pool in Pool.objects.filter(state=Pool.State.ACTIVE).select_related("accelerator"):
-        out[pool.slug] = max(0, pool_capacity(pool) - used.get(pool.slug, 0))
+    busy = _island_devices(busy, exclude_learner)
+    capacity = {pool.slug: pool_capacity(pool) for pool in Pool.objects.filter(state=Pool.State.ACTIVE)}
+    return placement.free_slots(capacity, busy)
+
+
+def _island_devices(busy: dict[str, int], exclude_learner: Learner | None) -> dict[str, int]:
+    """A busy learner of a job with devices_per_learner d holds d slots of its pool (an island)."""
+    out = dict(busy)
+    rows = Learner.objects.filter(state__in=BUSY, pool__isnull=False, job__spec__devices_per_learner__gt=1) \
+        .exclude(pk=exclude_learner.pk if exclude_learner else None).values_list("pool__slug", "job__spec")
+    for slug, data in rows:
+        spec = stored_spec(data)
+        out[slug] = out.get(slug, 0) + (spec.devices_per_learner if spec else 1) - 1
     return out
 
 
-def pool_infos(job, free: dict[str, int] | None = None):
-    """PoolInfo objects of the active pools a job may use (trainer.placement input)."""
-    from trainer.placement import PoolInfo, learner_tokens_per_s
-
-    spec = job_spec(job)
-    free = free if free is not None else free_slots()
-    measured = measured_throughput(job)
-    infos = []
-    qs = Pool.objects.select_related("accelerator")
+def pool_infos(spec: JobSpec, job: Job | None = None, free: dict[str, int] | None = None) -> list[PoolInfo]:
+    """The pools `spec` may use as trainer.placement sees them: today's free slots (or `free`) and,
+    once `job` runs, its measured throughput. The dry run and the coordinator both read this."""
+    free = free_slots() if free is None else free
+    measured = measured_throughput(job) if job is not None else {}
+    qs = Pool.objects.select_related("accelerator").order_by("slug")
     if spec.pools:
         qs = qs.filter(slug__in=spec.pools)
-    for p in qs:
-        acc = p.accelerator
-        infos.append(PoolInfo(
-            slug=p.slug, accelerator=acc.slug, peak_tflops_per_device=acc.peak_bf16_tflops,
-            memory_gib=acc.memory_gib, watts_per_device=acc.tdp_watts,
+    infos = [
+        PoolInfo(
+            slug=p.slug, accelerator=p.accelerator.slug,
+            peak_tflops_per_device=p.accelerator.peak_bf16_tflops, memory_gib=p.accelerator.memory_gib,
+            watts_per_device=float(p.accelerator.tdp_watts),
             cost_per_device_hour=float(p.cost_per_device_hour), devices_free=free.get(p.slug, 0),
-            link_gbps=p.link_gbps, latency_ms=p.latency_ms,
-            measured_tokens_per_s=measured.get(p.slug), speed_factor=p.speed_factor, state=p.state,
-        ))
-    if measured:
-        # Calibrate the catalogue estimates of unmeasured pools with what was measured, so a
-        # measured pool is never compared with a raw peak-FLOPs guess.
-        _mem, flops, _ = model_figures(spec)
-        ratios = []
-        for info in infos:
-            if info.measured_tokens_per_s:
-                est = learner_tokens_per_s(_replace(info, measured_tokens_per_s=None), 1, flops)
-                if est > 0:
-                    ratios.append(info.measured_tokens_per_s / est)
-        if ratios:
-            r = sum(ratios) / len(ratios)
-            for info in infos:
-                if not info.measured_tokens_per_s:
-                    info.measured_tokens_per_s = learner_tokens_per_s(info, 1, flops) * r
-    return infos
+            link_gbps=p.link_gbps, latency_ms=p.latency_ms, measured_tokens_per_s=measured.get(p.slug),
+            speed_factor=p.speed_factor, state=p.state,
+        )
+        for p in qs
+    ]
+    return placement.calibrate(infos, figures(spec).flops_per_token) if measured else infos
 
 
-def _replace(info, **changes):
-    import dataclasses
-
-    return dataclasses.replace(info, **changes)
-
-
-def measured_throughput(job) -> dict[str, float]:
+def measured_throughput(job: Job) -> dict[str, float]:
     """Mean measured tokens/s per learner on each pool, from this job's running learners."""
     out: dict[str, list[float]] = {}
     for slug, tps in Learner.objects.filter(job=job, state=Learner.State.RUNNING, tokens_per_s__gt=0) \
@@ -104,43 +96,48 @@ def measured_throughput(job) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
-def model_figures(spec) -> tuple[float, float, int]:
-    """The dry run's figures too (trainer.models.spec_model_figures)."""
-    from trainer.models import spec_model_figures
+def figures(spec: JobSpec) -> placement.ModelFigures:
+    """The placement figures of a spec's model (builds a factory model once to count it)."""
+    from trainer.models import job_model_figures  # torch: loaded when a placement is made, not on import
 
-    return spec_model_figures(spec)
+    return job_model_figures(spec.model, spec.batch_size, spec.seq_len, spec.fragments)
 
 
-def place_job(job) -> list[Learner]:
-    """Create the job's learners on pools (trainer.placement); raises PlacementError."""
-    from trainer.placement import place
+def model_figures(spec: JobSpec) -> tuple[float, float, int]:
+    """(memory GiB, FLOPs per token, fragment bytes) of `figures`."""
+    f = figures(spec)
+    return f.memory_gib, f.flops_per_token, f.fragment_bytes
 
+
+def plan(spec: JobSpec, job: Job | None = None, free: dict[str, int] | None = None,
+         learners: int | None = None, only: set[str] | None = None) -> placement.Placement:
+    """Where `spec`'s learners go now (raises PlacementError): what place_job makes and the dry run shows."""
+    infos = pool_infos(spec, job, free)
+    if only is not None:
+        infos = [i for i in infos if i.slug in only]
+    return placement.place_spec(spec, figures(spec), infos, learners)
+
+
+def place_job(job: Job) -> list[Learner]:
+    """Create the job's learners on pools (`plan`); raises PlacementError."""
     spec = job_spec(job)
-    mem, flops, frag_bytes = model_figures(spec)
-    plan = place(
-        spec.learners, pool_infos(job), spec.objective, model_memory_gib=mem, model_flops_per_token=flops,
-        tokens_per_learner=spec.steps * spec.batch_size * spec.seq_len, base_inner_steps=spec.inner_steps,
-        fragment_bytes=frag_bytes, fragments=spec.fragments,
-        tokens_per_step=spec.batch_size * spec.seq_len,
-    )
-    pools = {p.slug: p for p in Pool.objects.filter(slug__in=plan.pools_used)}
+    p = plan(spec, job)
+    pools = {pool.slug: pool for pool in Pool.objects.filter(slug__in=p.pools_used)}
     learners = []
     with transaction.atomic():
-        for index, slug in plan.assignments:
+        for index, slug in p.assignments:
             learner, _ = Learner.objects.update_or_create(
                 job=job, index=index,
                 defaults={"pool": pools[slug], "state": Learner.State.PENDING,
-                          "work_size": plan.work_sizes.get(slug, spec.inner_steps),
-                          "wire_dtype": spec.compression if spec.compression != "none"
-                          else plan.wire_dtype.get(slug, "none")},
+                          "work_size": p.work_sizes[slug], "wire_dtype": p.wire_dtype[slug]},
             )
             LearnerRuntime.objects.get_or_create(learner=learner)
             learners.append(learner)
     event(job, Event.Kind.PLACED,
-          f"placed {len(learners)} learner(s) on {', '.join(plan.pools_used)} ({spec.objective})",
-          {"assignments": plan.assignments, "work_sizes": plan.work_sizes, "wire_dtype": plan.wire_dtype,
-           "reasons": plan.reasons, "est_time_s": plan.est_time_s, "est_energy_j": plan.est_energy_j,
-           "est_cost": plan.est_cost})
+          f"placed {len(learners)} learner(s) on {', '.join(p.pools_used)} ({spec.objective})",
+          {"assignments": p.assignments, "work_sizes": p.work_sizes, "wire_dtype": p.wire_dtype,
+           "reasons": p.reasons, "est_time_s": p.est_time_s, "est_energy_j": p.est_energy_j,
+           "est_cost": p.est_cost})
     return learners
 
 
@@ -149,33 +146,22 @@ def choose_pool(learner: Learner, avoid: set[str] | None = None) -> Pool | None:
     spec = job_spec(learner.job)
     free = free_slots(exclude_learner=learner)
     avoid = avoid or set()
-    candidates = [s for s, n in free.items()
-                  if n > 0 and s not in avoid and (not spec.pools or s in spec.pools)]
+    candidates = {s for s, n in free.items()
+                  if n >= spec.devices_per_learner and s not in avoid and (not spec.pools or s in spec.pools)}
     if not candidates:
         return None
-    own = learner.pool.slug if learner.pool_id else None
-    if own in candidates:
+    if learner.pool_id and learner.pool.slug in candidates:
         return learner.pool
-    # best other pool: fastest per the placement model
-    from trainer.placement import PlacementError, place
-
-    mem, flops, frag_bytes = model_figures(spec)
-    infos = [i for i in pool_infos(learner.job, free) if i.slug in candidates]
-    try:
-        plan = place(1, infos, spec.objective, model_memory_gib=mem, model_flops_per_token=flops,
-                     tokens_per_learner=spec.steps * spec.batch_size * spec.seq_len,
-                     base_inner_steps=spec.inner_steps, fragment_bytes=frag_bytes, fragments=spec.fragments,
-                     tokens_per_step=spec.batch_size * spec.seq_len)
-        return Pool.objects.get(slug=plan.assignments[0][1])
-    except PlacementError:
+    try:  # the best other pool per the placement model
+        best = plan(spec, learner.job, free, learners=1, only=candidates)
+    except placement.PlacementError:
         return None
+    return Pool.objects.get(slug=best.assignments[0][1])
 
 
 def dispatch(learner: Learner, pool: Pool, reason: str = "") -> int:
     """Bump the incarnation, point the learner at `pool` and send run_learner to its queue."""
-    from diloco_platform.celery import pool_queue
-
-    from .tasks import run_learner
+    from diloco_platform.celery import RUN_LEARNER, pool_queue, send
 
     with transaction.atomic():
         row = Learner.objects.select_for_update().get(pk=learner.pk)
@@ -189,8 +175,7 @@ def dispatch(learner: Learner, pool: Pool, reason: str = "") -> int:
                                    "resume_point": None, "worker": "", "pid": None})
         job_id = row.job_id
         index = row.index
-        transaction.on_commit(lambda: run_learner.apply_async(
-            (job_id, index, inc), queue=pool_queue(pool.slug)))
+        transaction.on_commit(lambda: send(RUN_LEARNER, job_id, index, inc, queue=pool_queue(pool.slug)))
     learner.incarnation, learner.pool, learner.state = inc, pool, Learner.State.STARTING
     log.info("dispatched job %s learner %s.%s to %s %s", job_id, index, inc, pool.slug, reason)
     return inc

@@ -7,6 +7,7 @@ blocks training.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -17,10 +18,10 @@ from django.db.models import F
 
 from apps.inventory.models import Node
 from apps.jobs import state as st
-from apps.jobs.models import Incident, Learner
+from apps.jobs.models import Event, Incident, Learner
 from trainer.runtime.learner_loop import Control, Fenced, LearnerLoop
 
-from .common import corpus, hb_interval, log, now, publish, store, train_config
+from .common import corpus, hb_interval, job_spec, log, now, publish, store, train_config
 from .control import record_start_failure
 from .models import LearnerRuntime
 
@@ -51,8 +52,13 @@ def telemetry_client():
 class DjangoHost:
     """Liveness + control for LearnerLoop from the database; telemetry over the websocket."""
 
-    def __init__(self, learner: Learner, incarnation: int, worker: str):
+    def __init__(self, learner: Learner, incarnation: int, worker: str, followers=None):
         self.learner_id = learner.pk
+        self.island = None
+        if followers is not None:  # rank 0 of an island reports every rank's device figures
+            from trainer.island import RankStats
+
+            self.island = RankStats(followers.pids, torch.device(followers.spec.device))
         self.job_id = learner.job_id
         self.index = learner.index
         self.incarnation = incarnation
@@ -164,10 +170,14 @@ class DjangoHost:
         if self.client is not None:
             try:
                 self.client.send(msg)
-                if stats.get("loss") is not None:
-                    self.client.send({"type": "metrics", "job": self.job_id, "points": [
-                        {"learner": self.index, "name": "train_loss", "step": stats["tokens"],
-                         "value": stats["loss"], "time": t.timestamp()}]})
+                points = [] if stats.get("loss") is None else [
+                    {"learner": self.index, "name": "train_loss", "step": stats["tokens"],
+                     "value": stats["loss"], "time": t.timestamp()}]
+                if self.island is not None:
+                    points += [{"learner": self.index, "name": name, "step": stats["tokens"], "value": value,
+                                "time": t.timestamp()} for name, value in self.island.read().items()]
+                if points:
+                    self.client.send({"type": "metrics", "job": self.job_id, "points": points})
             except Exception:
                 log.debug("telemetry send failed", exc_info=True)
         else:
@@ -186,36 +196,115 @@ class DjangoHost:
             self.client.send(msg)
 
 
-def _start(job, learner: Learner, index: int, incarnation: int, worker: str) -> LearnerLoop:
-    """Everything a learner does before its first step: config, data, model, resume point."""
+def _shards(spec, index: int) -> int:
+    """Data shards of the job: every learner the job may ever have reads its own slice."""
+    return max(spec.max_learners or 0, spec.learners, index + 1)
+
+
+def _island_spec(job, spec, config, index: int, incarnation: int):
+    """What the followers of an island learner need (trainer.runtime.island_rank)."""
+    from django.conf import settings
+
+    from trainer.island import island_device
+    from trainer.runtime.island_rank import IslandSpec
+
+    return IslandSpec(
+        config=config.to_dict(), islands=[(index, list(range(spec.devices_per_learner)))],
+        num_learners=_shards(spec, index), job=str(job.pk), incarnation=incarnation,
+        roots=[str(r) for r in settings.DATA_ROOTS], parallelism=spec.inner_parallelism,
+        timeout_s=float(settings.ISLAND_TIMEOUT_S), device=island_device(config.device, 0))
+
+
+def _engine(job, spec, config, data, index: int, incarnation: int):
+    """The engine learner of this task: plain, or rank 0 of an island (then with its followers)."""
     from trainer.learner import Learner as EngineLearner
 
+    kwargs = {"incarnation": incarnation, "corpus": data, "job": str(job.pk),
+              "num_learners": _shards(spec, index)}
+    if spec.devices_per_learner <= 1:
+        return EngineLearner(config, index, **kwargs), None
+    from trainer.island import IslandLearner, island_device, teardown
+    from trainer.runtime.island_rank import start
+
+    ispec = _island_spec(job, spec, config, index, incarnation)
+    with _starting(job.pk, index, incarnation):
+        followers = start(ispec)  # rendezvous on 127.0.0.1; returns once every rank has joined
+        try:
+            engine = IslandLearner(config.replace(device=island_device(config.device, 0)), index,
+                                   ranks=list(range(ispec.world)), parallelism=spec.inner_parallelism,
+                                   timeout_s=ispec.timeout_s, **kwargs)
+        except Exception:
+            teardown()
+            followers.kill()
+            raise
+    return engine, followers
+
+
+@contextlib.contextmanager
+def _starting(job_id: int, index: int, incarnation: int):
+    """While an island starts (W-1 Python processes importing torch: seconds each, longer on a busy
+    host) its task is alive: keep moving its start deadline (the watchdog's start timeout counts
+    from `dispatched_at`). The rendezvous's own timeout bounds a start that hangs."""
+    import threading
+
+    stop = threading.Event()
+
+    def beat() -> None:
+        from django.db import connection
+
+        try:
+            while not stop.wait(hb_interval()):
+                LearnerRuntime.objects.filter(
+                    learner__job_id=job_id, learner__index=index, learner__incarnation=incarnation,
+                    learner__state=Learner.State.STARTING).update(dispatched_at=now())
+        except DatabaseError:
+            log.debug("start keep-alive failed", exc_info=True)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=beat, name=f"island-start-{index}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def _start(job, learner: Learner, index: int, incarnation: int, worker: str):
+    """Everything a learner does before its first step: config, data, model (and island), resume
+    point. Returns (loop, followers of its island or None)."""
+    from trainer.island import teardown
+
+    spec = job_spec(job)
     config = train_config(job)
     data = corpus(config.dataset, config.cache_dir)
-    spec = job.spec
-    shards = max(int(spec.get("max_learners") or 0), int(spec.get("learners") or 1), index + 1)
-    engine = EngineLearner(config, index, incarnation=incarnation, corpus=data, job=str(job.pk),
-                           num_learners=shards)
-    if learner.work_size:
-        engine.set_work_size(learner.work_size)
-    host = DjangoHost(learner, incarnation, worker)
-    loop = LearnerLoop(
-        engine, store(), job=job.pk, index=index, incarnation=incarnation, host=host,
-        compression=learner.wire_dtype or config.compression, heartbeat_interval=hb_interval(),
-        # a checkpoint follows a contribution batch at most every 2 heartbeats: each one copies
-        # and writes ~5x the model (weights, AdamW moments, bases); a successor resuming from an
-        # older one recomputes a little, and the ledger refuses any overlap with what was applied
-        poll_interval=min(0.25, hb_interval()), checkpoint_interval=max(1.0, 2 * hb_interval()),
-        speed_factor=learner.pool.speed_factor if learner.pool else 1.0,
-        syncer_shards=int(spec.get("syncer_shards") or 1),
-    )
-    loop.resume()
-    return loop
+    engine, followers = _engine(job, spec, config, data, index, incarnation)
+    try:
+        if learner.work_size:
+            engine.set_work_size(learner.work_size)
+        host = DjangoHost(learner, incarnation, worker, followers=followers)
+        loop = LearnerLoop(
+            engine, store(), job=job.pk, index=index, incarnation=incarnation, host=host,
+            compression=learner.wire_dtype or config.compression, heartbeat_interval=hb_interval(),
+            # a checkpoint follows a contribution batch at most every 2 heartbeats: each one copies
+            # and writes ~5x the model (weights, AdamW moments, bases); a successor resuming from an
+            # older one recomputes a little, and the ledger refuses any overlap with what was applied
+            poll_interval=min(0.25, hb_interval()), checkpoint_interval=max(1.0, 2 * hb_interval()),
+            speed_factor=learner.pool.speed_factor if learner.pool else 1.0,
+            syncer_shards=spec.syncer_shards,
+        )
+        loop.resume()
+    except BaseException:
+        if followers is not None:
+            teardown()
+            followers.kill()
+        raise
+    return loop, followers
 
 
-def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | None = None) -> str:
-    torch.set_num_threads(1)
-    close_old_connections()
+def _current(job_id: int, index: int, incarnation: int) -> Learner | str:
+    """The learner row this task runs, or why it does not run (fenced, job not running)."""
     learner = Learner.objects.select_related("job", "pool").filter(job_id=job_id, index=index).first()
     if learner is None or learner.incarnation != incarnation:
         return "fenced: not the current incarnation"
@@ -225,7 +314,11 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
             Learner.objects.filter(pk=learner.pk, incarnation=incarnation,
                                    state=Learner.State.STARTING).update(state=Learner.State.STOPPED)
         return f"not started: job {job.status}, learner {learner.state}"
-    worker = hostname or socket.gethostname()
+    return learner
+
+
+def _register(learner: Learner, incarnation: int, worker: str) -> None:
+    """This worker's node and process run the learner now."""
     node = None
     if learner.pool_id:
         node, _ = Node.objects.update_or_create(
@@ -235,67 +328,156 @@ def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | 
     Learner.objects.filter(pk=learner.pk, incarnation=incarnation).update(node=node, started_at=now())
     LearnerRuntime.objects.update_or_create(learner=learner, defaults={"worker": worker, "pid": os.getpid()})
 
+
+def _start_failed(learner: Learner, incarnation: int, exc: Exception) -> str:
+    """Its spec, model or data: counted, backed off, capped (control)."""
+    log.warning("learner %s.%s of job %s failed to start", learner.index, incarnation, learner.job_id,
+                exc_info=True)
+    n = Learner.objects.filter(pk=learner.pk, incarnation=incarnation,
+                               state__in=(Learner.State.STARTING, Learner.State.RUNNING)) \
+        .update(state=Learner.State.PENDING)
+    if n:
+        record_start_failure(learner, f"{type(exc).__name__}: {exc}")
+    return "failed to start"
+
+
+def _run(loop: LearnerLoop, followers):
+    """Train to the end and tell an island's followers to stop (they exit on their own: `_release`
+    waits for them after the learner's end state is written, which must follow its last heartbeat
+    at once); when a rank failed, a collective raises here, the group is torn down and the
+    followers killed: the whole learner fails (see _island_lost)."""
+    from trainer.island import teardown
+
+    if followers is None:
+        return loop.run()
     try:
-        loop = _start(job, learner, index, incarnation, worker)
+        result = loop.run()
+        loop.learner.stop_followers()
+    except BaseException:
+        teardown()
+        followers.kill()
+        raise
+    return result
+
+
+def _release(followers) -> None:
+    """Leave the island's process group and reap its followers (killed if they linger)."""
+    if followers is None:
+        return
+    from trainer.island import teardown
+
+    teardown()
+    followers.close()
+
+
+def _island_lost(learner: Learner, incarnation: int, loop: LearnerLoop, followers, exc: Exception) -> str:
+    """A rank of this learner's island failed: the learner fails whole. Its queued contributions
+    and checkpoint are written first (the successor resumes after them), then it goes back to
+    pending with an incident, and the coordinator places it again (a new incarnation, all ranks)."""
+    from diloco_platform.celery import RECONCILE_JOB, send
+
+    from .common import event
+
+    loop.writer.close(timeout=60)
+    close_old_connections()
+    t = now()
+    dead = followers.failed()
+    reason = f"island rank failed ({type(exc).__name__}: {str(exc)[:120]})"
+    n = Learner.objects.filter(pk=learner.pk, incarnation=incarnation,
+                               state__in=(Learner.State.STARTING, Learner.State.RUNNING)) \
+        .update(state=Learner.State.PENDING)
+    if not n:
+        return "fenced: superseded while its island failed"
+    Incident.objects.create(
+        job=learner.job, learner=learner, pool=learner.pool, kind="island_rank_lost",
+        failed_at=t, detected_at=t,
+        description=f"learner {learner.index}.{incarnation} on {learner.pool}: {reason}"[:300],
+        details={"incarnation": incarnation, "follower_pids": followers.pids, "failed_pids": dead,
+                 "devices": followers.spec.world})
+    event(learner.job, Event.Kind.FAILED, f"learner {learner.index}.{incarnation}: {reason}",
+          {"learner": learner.index, "incarnation": incarnation, "failed_pids": dead}, pool=learner.pool)
+    send(RECONCILE_JOB, learner.job_id)
+    return "island failed"
+
+
+def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | None = None) -> str:
+    torch.set_num_threads(1)
+    close_old_connections()
+    learner = _current(job_id, index, incarnation)
+    if isinstance(learner, str):
+        return learner
+    worker = hostname or socket.gethostname()
+    _register(learner, incarnation, worker)
+    try:
+        loop, followers = _start(learner.job, learner, index, incarnation, worker)
     except Fenced as exc:
         return f"fenced: {exc}"
     except DatabaseError:
         raise
-    except Exception as exc:  # its spec, model or data: counted, backed off, capped (control)
-        log.warning("learner %s.%s of job %s failed to start", index, incarnation, job_id, exc_info=True)
-        n = Learner.objects.filter(pk=learner.pk, incarnation=incarnation,
-                                   state__in=(Learner.State.STARTING, Learner.State.RUNNING)) \
-            .update(state=Learner.State.PENDING)
-        if n:
-            record_start_failure(learner, f"{type(exc).__name__}: {exc}")
-        return "failed to start"
+    except Exception as exc:
+        return _start_failed(learner, incarnation, exc)
     LearnerRuntime.objects.filter(learner_id=learner.pk).update(start_failures=0, retry_after=None)
-    host, engine = loop.host, loop.learner
     try:
-        result = loop.run()
+        result = _run(loop, followers)
     except Fenced as exc:
         return f"fenced: {exc}"
-    close_old_connections()
-    final = {"tokens": result.tokens, "inner_steps": int(getattr(engine, "inner_steps", 0)),
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError among them)
+        if followers is None:
+            raise
+        log.warning("learner %s.%s of job %s: island failed", index, incarnation, job_id, exc_info=True)
+        return _island_lost(learner, incarnation, loop, followers, exc)
+    try:
+        close_old_connections()
+        _finish(learner, incarnation, loop, result)
+    finally:
+        _release(followers)
+    return result.outcome
+
+
+def _finish(learner: Learner, incarnation: int, loop: LearnerLoop, result) -> None:
+    """The learner's end state, its last tokens, and the event with its figures."""
+    final = {"tokens": result.tokens, "inner_steps": int(getattr(loop.learner, "inner_steps", 0)),
              "last_heartbeat": now()}
-    if result.outcome == "done":
-        final["state"] = Learner.State.DONE
-    elif result.outcome == "handoff":
-        final["state"] = Learner.State.PENDING  # the reconciler sends it to its new pool
-    elif result.outcome == "stopped":
-        final["state"] = Learner.State.STOPPED
+    state = {"done": Learner.State.DONE, "stopped": Learner.State.STOPPED,
+             "handoff": Learner.State.PENDING}.get(result.outcome)  # handoff: the reconciler moves it
+    if state:
+        final["state"] = state
     if result.outcome != "fenced":
         n = Learner.objects.filter(pk=learner.pk, incarnation=incarnation) \
             .exclude(state=Learner.State.REMOVED).update(**final)
-        if n and result.outcome == "handoff" or n and result.outcome == "done":
-            from .tasks import reconcile_job
+        if n and result.outcome in ("handoff", "done"):
+            from diloco_platform.celery import RECONCILE_JOB, send
 
-            reconcile_job.delay(job_id)
+            send(RECONCILE_JOB, learner.job_id)
+    host = loop.host
     delta = result.tokens - (host.last_tokens or 0)
     if delta > 0:
         LearnerRuntime.objects.filter(learner_id=learner.pk).update(
             tokens_computed=F("tokens_computed") + delta)
-    log.info("learner %s.%s of job %s: %s%s, %d steps in %.1fs", index, incarnation, job_id, result.outcome,
-             f" ({result.reason})" if result.reason else "", result.steps, result.seconds)
+    log.info("learner %s.%s of job %s: %s%s, %d steps in %.1fs", learner.index, incarnation, learner.job_id,
+             result.outcome, f" ({result.reason})" if result.reason else "", result.steps, result.seconds)
     if result.outcome != "fenced":
-        from apps.jobs.models import Event
+        _end_event(learner, incarnation, loop, result)
 
-        from .common import event
 
-        active = result.active_seconds or result.seconds
-        tps = (result.tokens - (host.resume_tokens or 0)) / active if active > 0 else None
-        event(job, Event.Kind.INFO,
-              f"learner {index}.{incarnation} {result.outcome} after {result.steps} steps"
-              + (f" ({result.reason})" if result.reason else ""),
-              {"learner": index, "incarnation": incarnation, "outcome": result.outcome, "steps": result.steps,
-               "tokens": result.tokens, "seconds": round(result.seconds, 3),
-               "active_seconds": round(result.active_seconds, 3),
-               "train_seconds": round(result.train_seconds, 3), "tokens_per_s": tps,
-               "contributions": result.contributions, "bytes_sent": result.bytes_sent,
-               "bytes_received": result.bytes_received, "updates_received": result.updates_received,
-               "blob_write_seconds": round(loop.writer.write_seconds, 3),
-               "speed_factor": loop.speed_factor, "pool": learner.pool.slug if learner.pool else None})
-    return result.outcome
+def _end_event(learner: Learner, incarnation: int, loop: LearnerLoop, result) -> None:
+    from .common import event
+
+    active = result.active_seconds or result.seconds
+    tps = (result.tokens - (loop.host.resume_tokens or 0)) / active if active > 0 else None
+    index = learner.index
+    event(learner.job, Event.Kind.INFO,
+          f"learner {index}.{incarnation} {result.outcome} after {result.steps} steps"
+          + (f" ({result.reason})" if result.reason else ""),
+          {"learner": index, "incarnation": incarnation, "outcome": result.outcome, "steps": result.steps,
+           "tokens": result.tokens, "seconds": round(result.seconds, 3),
+           "active_seconds": round(result.active_seconds, 3),
+           "train_seconds": round(result.train_seconds, 3), "tokens_per_s": tps,
+           "contributions": result.contributions, "bytes_sent": result.bytes_sent,
+           "bytes_received": result.bytes_received, "updates_received": result.updates_received,
+           "blob_write_seconds": round(loop.writer.write_seconds, 3),
+           "speed_factor": loop.speed_factor, "pool": learner.pool.slug if learner.pool else None,
+           "devices": getattr(loop.learner, "world", 1)})
 
 
 def stale_before(seconds: float):

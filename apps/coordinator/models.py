@@ -4,6 +4,8 @@ from __future__ import annotations
 from django.db import models
 from django.utils import timezone
 
+from trainer.spec import stored_spec
+
 
 class SyncerLease(models.Model):
     """Who runs a job's syncer (one shard of it), its fencing epoch and its last committed state.
@@ -37,9 +39,8 @@ class SyncerLease(models.Model):
     @classmethod
     def shards_of(cls, job) -> list[dict]:
         """One row per syncer shard of a job, for the API and the job page."""
-        spec = job.spec or {}
-        shards = max(1, int(spec.get("syncer_shards") or 1))
-        fragments = max(1, int(spec.get("fragments") or 1))
+        spec = stored_spec(job.spec)
+        shards, fragments = (spec.syncer_shards, spec.fragments) if spec else (1, 1)
         return [
             {"shard": lease.shard, "epoch": lease.epoch, "running": bool(lease.worker) and not lease.finished,
              "last_heartbeat": lease.last_heartbeat, "commits": lease.commits, "restarts": lease.restarts,

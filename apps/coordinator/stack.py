@@ -8,15 +8,17 @@
             yield s
 
     def test_x(stack):
-        stack.web_url                     # http://127.0.0.1:<free port> (daphne, HTTP + websockets)
+        stack.web_url                     # http://127.0.0.1:<free port> (HTTP + websockets)
         stack.pools["alpha"].token        # raw pool token (telemetry auth)
         stack.kill_worker("alpha-0")      # SIGKILL the whole worker (main process + pool children)
         stack.start_worker("alpha")       # a fresh worker node for the pool
         stack.kill("coordinator"); stack.restart("coordinator")
         stack.wait_for(lambda: ..., timeout=10, what="...")
 
-Processes (all with the Redis broker from REDIS_URL and the test database of the caller):
-  web           daphne on a free port
+Processes (all with the Redis broker from REDIS_URL and the test database of the caller), the
+command lines of diloco_platform.processes (as the Procfile, compose and the demo):
+  web           gunicorn + uvicorn workers on a free port (`web_workers=N`; default 1: a test
+                that needs several processes, e.g. the channel layer's fan-out, asks for them)
   <pool>-<i>    `celery worker -Q pool.<slug> --concurrency N --prefetch-multiplier 1
                  --disable-prefetch`, env DILOCO_POOL=<slug>, DILOCO_POOL_TOKEN=<raw token>
   coordinator   `celery worker -Q coordinator` (threads pool); `coordinators=2` adds a standby
@@ -43,8 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from diloco_platform import processes
+
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
+PY = sys.executable
+QUIET = ("--without-gossip", "--without-mingle")  # fewer broker messages between test nodes
 
 
 def free_port() -> int:
@@ -158,6 +163,7 @@ class Stack:
         coordinators: int = 1,
         beat: bool = True,
         web: bool = True,
+        web_workers: int = 1,
         heartbeat_interval_s: float = 0.5,
         heartbeat_timeout_s: float = 1.5,
         blob_store_url: str | None = None,
@@ -175,6 +181,7 @@ class Stack:
         self.pool_slots = dict(pools if pools is not None else {"alpha": 2, "beta": 2})
         self.workers_per_pool = workers_per_pool
         self.want = {"coordinator": coordinator, "beat": beat, "web": web}
+        self.web_workers = web_workers
         self.coordinators = coordinators
         self.speed_factors = speed_factors or {}
         self.redis_url = redis_url or os.environ.get("REDIS_URL", "")
@@ -230,10 +237,8 @@ class Stack:
         self._ensure_pools()
         names = []
         if self.want["web"]:
-            names.append(self._spawn("web", [
-                str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
-                "diloco_platform.asgi:application",
-            ], {}))
+            names.append(self._spawn(processes.web(self.port, python=PY),
+                                     {"WEB_CONCURRENCY": str(self.web_workers)}))
         if self.want["coordinator"]:
             for i in range(self.coordinators):
                 names.append(self._spawn_coordinator("coordinator" if i == 0 else f"coordinator-{i}"))
@@ -266,33 +271,24 @@ class Stack:
         connections.close_all()
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> str:
-        log = self.logs / f"{name}.log"
-        proc = Proc(name, cmd, {**self.env, **env}, log)
+    def _spawn(self, spec: processes.ProcessSpec, env: dict[str, str] | None = None) -> str:
+        log = self.logs / f"{spec.name}.log"
+        proc = Proc(spec.name, list(spec.argv), {**self.env, **(env or {}), **spec.env}, log)
         with open(log, "ab") as fh:
-            fh.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
-            proc.popen = subprocess.Popen(
-                cmd, cwd=ROOT, env=proc.env, stdout=fh, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-        self.procs[name] = proc
-        return name
+            fh.write(f"\n=== start {time.strftime('%H:%M:%S')} {' '.join(proc.cmd)}\n".encode())
+            proc.popen = processes.spawn(spec, proc.env, stdout=fh, cwd=ROOT)
+        self.procs[spec.name] = proc
+        return spec.name
 
-    def _celery(self) -> list[str]:
-        return [str(BIN / "celery"), "-A", "diloco_platform"]
+    def _node(self, name: str) -> str:
+        return f"{name}-{self.port}@%h"
 
     def _spawn_coordinator(self, name: str = "coordinator") -> str:
-        return self._spawn(name, self._celery() + [
-            "worker", "-Q", "coordinator", "-P", "threads", "--concurrency", "8",
-            "--prefetch-multiplier", "1", "-n", f"{name}-{self.port}@%h",
-            "--without-gossip", "--without-mingle", "-l", "INFO",
-        ], {})
+        return self._spawn(processes.coordinator(name=name, node=self._node(name), python=PY, extra=QUIET))
 
     def _spawn_beat(self) -> str:
-        return self._spawn("beat", self._celery() + [
-            "beat", "-l", "INFO", "-s", str(self.var / "beat-schedule"),
-            "--pidfile", str(self.var / "beat.pid"),
-        ], {})
+        return self._spawn(processes.beat(schedule=str(self.var / "beat-schedule"),
+                                          pidfile=str(self.var / "beat.pid"), python=PY))
 
     def start_worker(self, slug: str, *, slots: int | None = None, wait: bool = True) -> str:
         """Start one more worker node for pool `slug`; returns its process name (<slug>-<i>)."""
@@ -300,11 +296,8 @@ class Stack:
         self._worker_seq[slug] = i + 1
         name = f"{slug}-{i}"
         pool = self.pools[slug]
-        self._spawn(name, self._celery() + [
-            "worker", "-Q", f"pool.{slug}", "--concurrency", str(slots or pool.slots),
-            "--prefetch-multiplier", "1", "--disable-prefetch", "-O", "fair",
-            "-n", f"{name}-{self.port}@%h", "--without-gossip", "--without-mingle", "-l", "INFO",
-        ], {"DILOCO_POOL": slug, "DILOCO_POOL_TOKEN": pool.token})
+        self._spawn(processes.pool_worker(slug, slots or pool.slots, name=name, node=self._node(name),
+                                          token=pool.token, python=PY, extra=QUIET))
         pool.workers.append(name)
         if wait:
             self.wait_ready(name)
@@ -362,7 +355,7 @@ class Stack:
         proc = self.procs[name]
         if proc.alive():
             self.kill(name)
-        self._spawn(name, proc.cmd, proc.env)
+        self._spawn(processes.ProcessSpec(name, tuple(proc.cmd)), proc.env)
         if wait:
             self.wait_ready(name)
 

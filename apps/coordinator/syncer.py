@@ -1,16 +1,9 @@
-"""The syncer task body: the engine's Syncer for one job, wired to the blob store and the database.
+"""The syncer task body: `trainer.runtime.syncer_loop.SyncerLoop` with the database as its host.
 
-Commit of an outer step (fragment p, version v), in this order:
-  1. blob  jobs/<job>/global/f<p>/v<v>-e<epoch>        (the new global fragment)
-  2. blob  jobs/<job>/syncer/s<n>-e<epoch>             (snapshot: syncer state + ledger)
-  3. DB    one transaction: lease epoch check, OuterStep row, lease.commits/state_key/head,
-           job counters                                 (the commit point)
-  4. blob  jobs/<job>/head                             (learners adopt only committed versions)
-  5. delete the merged contribution blobs
-A syncer restarted at any point resumes from the snapshot of the last committed row; blobs
-written after it are ignored (keys carry the writer's epoch, so a fenced syncer cannot overwrite
-what a newer one committed), and the ledger of applied token ranges (per
-learner and fragment) in the snapshot means no contribution is ever applied twice.
+The protocol (scan, admit, fence, merge, commit order, snapshots, resume) is the loop's; this
+module is the `SyncerHost` behind it: the lease (`SyncerLease`, one row per job shard, fenced by
+epoch), the commit transaction (OuterStep row, lease commits/state_key/head, job counters),
+learners' incarnations and resume points, events, metrics, evaluation, exports and accounting.
 """
 from __future__ import annotations
 
@@ -27,155 +20,119 @@ from django.db.models.functions import Greatest
 
 from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, MetricPoint, OuterStep
-from trainer.runtime import codec, keys
+from trainer.runtime import keys
+from trainer.runtime.syncer_loop import Beat, Commit, LearnerView, LeaseLost, Ledger, Resume, SyncerLoop
 
-from .common import corpus, event, hb_interval, hb_timeout, log, now, publish, store, train_config
+from .common import corpus, event, hb_interval, hb_timeout, job_spec, log, now, publish, store, train_config
 from .models import LearnerRuntime, SyncerLease
 
+__all__ = ["DjangoSyncerHost", "LeaseLost", "Ledger", "SyncerRun", "goodput", "run_syncer_body"]
+
 ACTIVE_JOB = (st.RUNNING, st.PAUSING)
+LIVE = (Learner.State.RUNNING, Learner.State.STARTING, Learner.State.PENDING)
+FINISHED = (Learner.State.DONE, Learner.State.REMOVED)
 DEVICES_PER_LEARNER = 1  # one learner per device slot (dispatch.pool_capacity)
-METRIC_EVERY_S = 1.0  # goodput / bytes_sent points: at most one pair per second of commits
+ACCOUNT_EVERY_BEATS = 10  # running energy / cost totals for dashboards (final figures at the end)
 
 
-class LeaseLost(RuntimeError):
-    pass
-
-
-class Ledger:
-    """Token ranges applied per (learner, fragment): the exactly-once record."""
-
-    def __init__(self, data: dict | None = None):
-        self.ranges: dict[tuple[int, int], list[list[int]]] = {}
-        for k, v in (data or {}).items():
-            learner, fragment = (int(x) for x in k.split(":"))
-            self.ranges[(learner, fragment)] = [list(r) for r in v]
-
-    def overlaps(self, learner: int, fragment: int, start: int, end: int) -> bool:
-        if end <= start:
-            return any(s <= start < e for s, e in self.ranges.get((learner, fragment), []))
-        return any(start < e and s < end for s, e in self.ranges.get((learner, fragment), []))
-
-    def add(self, learner: int, fragment: int, start: int, end: int) -> None:
-        rs = self.ranges.setdefault((learner, fragment), [])
-        rs.append([start, end])
-        rs.sort()
-        merged: list[list[int]] = []
-        for s, e in rs:
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
-        self.ranges[(learner, fragment)] = merged
-
-    def covered(self, learner: int, fragment: int) -> int:
-        return sum(e - s for s, e in self.ranges.get((learner, fragment), []))
-
-    def to_dict(self) -> dict:
-        return {f"{lr}:{fr}": v for (lr, fr), v in self.ranges.items()}
-
-
-class SyncerRun:
-    """One syncer shard of a job. With `syncer_shards` S, shard k merges the fragments p with
-    p % S == k and writes its own head and snapshots; shard 0 (the leader) also evaluates,
-    checkpoints, accounts and finishes the job, reading the other shards' committed fragments
-    from the store."""
+class DjangoSyncerHost:
+    """The database side of one syncer shard of a job (see SyncerHost)."""
 
     def __init__(self, job_id: int, epoch: int, worker: str, shard: int = 0):
         self.job_id = job_id
         self.epoch = epoch
         self.worker = worker
         self.shard = shard
+        self.leader = shard == 0
         self.store = store()
         self.job = Job.objects.get(pk=job_id)
+        self.spec = job_spec(self.job)
         self.config = train_config(self.job)
-        self.spec = self.job.spec
-        self.P = self.config.fragments
-        self.shards = max(1, min(self.P, int(self.spec.get("syncer_shards") or 1)))
-        self.mine = [p for p in range(self.P) if p % self.shards == shard]
-        self.leader = shard == 0
-        self.ledger = Ledger()
-        self.commits = 0
-        self.head: dict[int, int] = {}
-        self.head_epochs: dict[int, int] = {}
-        self.seen: set[str] = set()
-        self.pending: dict[str, keys.ContribRef] = {}  # key -> ref, submitted, awaiting merge
-        self.fences: dict[int, tuple[int, dict | None]] = {}
-        self.counters = {"duplicates_refused": 0, "zombies_refused": 0, "rejected": 0, "accepted": 0,
-                         "tokens_contributed": 0, "tokens_rejected": 0, "bytes_in": 0}
-        self.sync_seconds = 0.0
-        self.timing = {"merge_s": 0.0, "blob_s": 0.0, "snapshot_s": 0.0, "db_s": 0.0}
-        self.commits_here = 0
-        self.blob_seconds = 0.0
+        self.shards = max(1, min(self.config.fragments, self.spec.syncer_shards))
         self.eval_model = None
-        self.last_eval_commit = 0
-        self.last_ckpt_commit = 0
+        self.beats = 0
         self.accounted_at = None  # wall time of the last energy/cost tick
-        self.last_metrics_at = 0.0
         self.last_merged_norm: float | None = None
-
-    # ------------------------------------------------------------------ setup
-    def build(self) -> None:
-        from trainer.clock import WallClock
-        from trainer.models import build_model
-        from trainer.syncer import Syncer
-
-        torch.set_num_threads(1)
-        data = corpus(self.config.dataset, self.config.cache_dir)
-        model = build_model(self.config.model, seq_len=self.config.seq_len, seed=self.config.seed,
-                            vocab_size=data.vocab_size)
-        self.eval_model = model
-        # fencing by incarnation happens here (admit / _refence), from token ranges
-        self.syncer = Syncer(self.config, model, WallClock(), job=str(self.job_id), fence_incarnations=False)
-        self.shapes = {k: tuple(v.shape) for k, v in self.syncer.global_state().items()}
-        lease = SyncerLease.objects.get(job_id=self.job_id, shard=self.shard)
-        if lease.state_key:
-            snap = codec.unpack(self.store.get(lease.state_key))
-            self.syncer.load_state_dict(snap["syncer"])
-            self.ledger = Ledger(snap["ledger"])
-            for key in snap.get("pending", []):  # restored inside the engine's state too
-                ref = keys.parse_contrib_key(key)
-                if ref is not None:
-                    self.pending[key] = ref
-                    self.seen.add(key)
-            self.counters.update(snap.get("counters", {}))
-            self.commits = lease.commits
-            saved = dict(lease.head)
-            self.head_epochs = {int(k): int(v) for k, v in (saved.pop("epochs", None) or {}).items()}
-            self.head = {int(k): int(v) for k, v in saved.items()}
-            self.last_eval_commit = snap.get("last_eval_commit", self._outer_steps())
-            self.last_ckpt_commit = snap.get("last_ckpt_commit", self._outer_steps())
-            # make sure learners see the committed head (step 4 may not have happened)
-            self.store.put(keys.head_key(self.job_id, self.shard),
-                           keys.head_blob(self.head, self.head_epochs))
-            log.info("syncer shard %s of job %s resumed at commit %s (epoch %s)",
-                     self.shard, self.job_id, self.commits, self.epoch)
-        elif self.job.initial_val_loss is None and self.leader:
-            loss = self.evaluate()
-            Job.objects.filter(pk=self.job_id).update(initial_val_loss=loss)
-            self._metric("val_loss", loss, 0)
 
     # ------------------------------------------------------------------ lease
     def _lease(self):
         return SyncerLease.objects.filter(job_id=self.job_id, shard=self.shard, epoch=self.epoch)
 
-    def heartbeat(self) -> str:
+    def beat(self) -> Beat:
         n = self._lease().update(last_heartbeat=now(), worker=self.worker)
         if n == 0:
             raise LeaseLost(f"syncer epoch {self.epoch} superseded")
         status = Job.objects.filter(pk=self.job_id).values_list("status", flat=True).first()
-        self.fences = {}
-        for index, inc, point, state in Learner.objects.filter(job_id=self.job_id).values_list(
-                "index", "incarnation", "runtime__resume_point", "state"):
-            self.fences[index] = (inc, point, state)
-        live = sum(1 for f in self.fences.values()
-                   if f[2] in (Learner.State.RUNNING, Learner.State.STARTING, Learner.State.PENDING))
-        self.syncer.set_expected_learners(max(1, live))
-        self.live = live
-        self._refence()
-        self.beats = getattr(self, "beats", 0) + 1
-        if self.beats % 10 == 1 and self.leader:  # running totals for dashboards (final figures at the end)
+        learners = {
+            index: LearnerView(incarnation=inc, resume_point=point, live=state in LIVE,
+                               finished=state in FINISHED)
+            for index, inc, point, state in Learner.objects.filter(job_id=self.job_id).values_list(
+                "index", "incarnation", "runtime__resume_point", "state")}
+        self.beats += 1
+        if self.beats % ACCOUNT_EVERY_BEATS == 1 and self.leader:
             self.account()
-        return status
+        stop = status not in ACTIVE_JOB and (status == st.PAUSED or status in st.TERMINAL)
+        return Beat(status=status, learners=learners, stop=stop, may_finish=status == st.RUNNING)
+
+    def resume_point(self) -> Resume | None:
+        lease = SyncerLease.objects.get(job_id=self.job_id, shard=self.shard)
+        if not lease.state_key:
+            return None
+        saved = dict(lease.head)
+        epochs = {int(k): int(v) for k, v in (saved.pop("epochs", None) or {}).items()}
+        return Resume(commits=lease.commits, state_key=lease.state_key,
+                      head={int(k): int(v) for k, v in saved.items()}, head_epochs=epochs)
+
+    def stopped(self, status: str) -> None:
+        self._lease().update(worker="", last_heartbeat=None)
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, c: Commit) -> None:
+        head = {**{str(k): x for k, x in c.head.items()},
+                "epochs": {str(k): x for k, x in c.head_epochs.items()}}
+        with transaction.atomic():
+            lease = self._lease().select_for_update().first()
+            if lease is None:
+                raise LeaseLost("lease lost before commit")
+            OuterStep.objects.create(job_id=self.job_id, fragment=c.fragment, version=c.version,
+                                     contributors=c.contributors, merged_norm=c.merged_norm,
+                                     duration_s=c.duration_s, blob_uri=c.blob_key)
+            SyncerLease.objects.filter(pk=lease.pk).update(
+                commits=c.commits, state_key=c.state_key, head=head, last_heartbeat=now(),
+                duplicates_refused=c.counters["duplicates_refused"],
+                zombies_refused=c.counters["zombies_refused"])
+            Job.objects.filter(pk=self.job_id).update(
+                outer_steps=F("outer_steps") + 1, tokens_contributed=F("tokens_contributed") + c.tokens,
+                tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed") + c.tokens),
+                bytes_sent=F("bytes_sent") + c.blob_bytes)
+            for learner, tokens in c.learner_tokens:
+                Learner.objects.filter(job_id=self.job_id, index=learner).update(
+                    tokens_contributed=F("tokens_contributed") + tokens)
+
+    def committed(self, c: Commit, outer_steps: int, metrics_due: bool) -> None:
+        publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": outer_steps})
+        self.last_merged_norm = c.merged_norm
+        if metrics_due:
+            self.job_metrics()
+
+    def refused(self, ref: keys.ContribRef, reason: str) -> None:
+        if reason not in ("duplicate", "zombie"):
+            Learner.objects.filter(job_id=self.job_id, index=ref.learner).update(
+                rejected_contributions=F("rejected_contributions") + 1)
+        event(self.job, Event.Kind.REJECTED,
+              f"contribution of learner {ref.learner}.{ref.incarnation} fragment {ref.fragment} "
+              f"v{ref.base_version}: {reason}",
+              {"learner": ref.learner, "incarnation": ref.incarnation, "fragment": ref.fragment,
+               "base_version": ref.base_version, "start": ref.start, "end": ref.end, "reason": reason})
+
+    def outer_steps(self) -> int:
+        return int(Job.objects.filter(pk=self.job_id).values_list("outer_steps", flat=True).first() or 0)
+
+    def others_finished(self) -> bool:
+        if self.shards == 1:
+            return True
+        done = SyncerLease.objects.filter(job_id=self.job_id, finished=True).exclude(shard=self.shard).count()
+        return done >= self.shards - 1
 
     # ------------------------------------------------------------------ accounting
     def _computed(self) -> int:
@@ -213,307 +170,32 @@ class SyncerRun:
             energy_j=F("energy_j") + energy, cost=F("cost") + cost,
             tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed")))
 
-    # ------------------------------------------------------------------ contributions
-    def _superseded(self, ref: keys.ContribRef) -> str | None:
-        """For a contribution of an older incarnation: None when it may still be applied (it ends
-        where the successor resumed, or before), 'wait' while the successor has not said where
-        it resumes, 'zombie' when the successor computes those tokens again."""
-        inc, point, _state = self.fences[ref.learner]
-        if ref.incarnation >= inc:
-            return None
-        if point is None:
-            return "wait"
-        frag_pos = point.get("frag_pos") or {}
-        limit = int(frag_pos.get(str(ref.fragment), frag_pos.get(ref.fragment, 0)))
-        return "zombie" if ref.end > limit else None
-
-    def _refence(self) -> None:
-        """Pending contributions whose learner has since been restarted: the predecessor's work
-        stays in the merge when the successor resumed after it; otherwise it is taken back out
-        (refused as a zombie, or put back to wait for the successor's resume point)."""
-        for key, ref in list(self.pending.items()):
-            if ref.learner not in self.fences:
-                continue
-            verdict = self._superseded(ref)
-            if verdict is None:
-                continue
-            self.syncer.withdraw((ref.learner, ref.incarnation, ref.fragment, ref.base_version))
-            del self.pending[key]
-            if verdict == "wait":
-                self.seen.discard(key)  # scanned again once the resume point is known
-            else:
-                self._refuse(ref, verdict)
-
-    def admit(self, ref: keys.ContribRef) -> str:
-        """'ok' | 'wait' | a refusal reason, from fencing and the ledger."""
-        fence = self.fences.get(ref.learner)
-        if fence is None:
-            return "unknown learner"
-        if ref.incarnation > fence[0]:
-            return "wait"
-        verdict = self._superseded(ref)
-        if verdict is not None:
-            return verdict
-        if self.ledger.overlaps(ref.learner, ref.fragment, ref.start, ref.end):
-            return "duplicate"
-        for other in self.pending.values():
-            if other.learner == ref.learner and other.fragment == ref.fragment and \
-                    ref.start < other.end and other.start < ref.end:
-                return "duplicate"
-        return "ok"
-
-    def scan(self) -> int:
-        from trainer.protocol import Contribution, InvalidPayload
-
-        n = 0
-        for key in sorted(self.store.list(keys.contrib_prefix(self.job_id))):
-            if key in self.seen:
-                continue
-            ref = keys.parse_contrib_key(key)
-            if ref is None or ref.fragment % self.shards != self.shard:  # another shard's fragment
-                self.seen.add(key)
-                continue
-            verdict = self.admit(ref)
-            if verdict == "wait":
-                continue
-            self.seen.add(key)
-            if verdict != "ok":
-                self._refuse(ref, verdict)
-                continue
-            try:
-                t0 = time.perf_counter()
-                blob = self.store.get(key)
-                self.blob_seconds += time.perf_counter() - t0
-                self.counters["bytes_in"] += len(blob)
-                c = Contribution.from_bytes(blob, expected=self._expected(ref.fragment))
-                if (c.learner, c.incarnation, c.fragment, c.base_version) != \
-                        (ref.learner, ref.incarnation, ref.fragment, ref.base_version):
-                    raise InvalidPayload("payload does not match its key")
-            except Exception as exc:
-                self._refuse(ref, f"invalid: {exc}"[:200])
-                continue
-            res = self.syncer.submit(c)
-            if not res.accepted and res.reason.startswith("duplicate"):
-                self.counters["duplicates_refused"] += 1
-                continue  # already applied (or pending, restored from the snapshot): nothing to do
-            if res.accepted:
-                self.pending[key] = ref
-                self.counters["accepted"] += 1
-                n += 1
-            else:
-                self._refuse(ref, res.reason)
-        return n
-
-    def _expected(self, fragment: int):
-        names = self.syncer.fragments[fragment] if hasattr(self.syncer, "fragments") else None
-        if names is None:
-            return None
-        return {k: self.shapes[k] for k in names}
-
-    def _refuse(self, ref: keys.ContribRef, reason: str) -> None:
-        if reason == "duplicate":
-            self.counters["duplicates_refused"] += 1
-        elif reason == "zombie":
-            self.counters["zombies_refused"] += 1
-        else:
-            self.counters["rejected"] += 1
-            self.counters["tokens_rejected"] += ref.end - ref.start
-            Learner.objects.filter(job_id=self.job_id, index=ref.learner).update(
-                rejected_contributions=F("rejected_contributions") + 1)
-        event(self.job, Event.Kind.REJECTED,
-              f"contribution of learner {ref.learner}.{ref.incarnation} fragment {ref.fragment} "
-              f"v{ref.base_version}: {reason}",
-              {"learner": ref.learner, "incarnation": ref.incarnation, "fragment": ref.fragment,
-               "base_version": ref.base_version, "start": ref.start, "end": ref.end, "reason": reason})
-        with contextlib.suppress(Exception):
-            self.store.delete(ref.key)
-
-    # ------------------------------------------------------------------ merge + commit
-    def merge_due(self, force: bool = False) -> int:
-        frags = self.syncer.due() if not force else sorted({r.fragment for r in self.pending.values()})
-        done = 0
-        for p in frags:
-            t0 = time.perf_counter()
-            try:
-                result = self.syncer.merge(p, force=force)
-            except ValueError as exc:  # nothing left to merge (all stale)
-                log.info("job %s fragment %s: %s", self.job_id, p, exc)
-                self._drop_stale(p, set())
-                continue
-            self.commit(result, time.perf_counter() - t0)
-            done += 1
-        return done
-
-    def merge_short(self) -> int:
-        """Fewer learners left than the quorum (the others finished or were removed): a
-        fragment that holds a contribution from every live learner merges anyway, or the
-        tail of the job would wait for a quorum that can no longer form."""
-        live = getattr(self, "live", None)
-        if live is None or live >= self.config.quorum:
-            return 0
-        done = 0
-        for p in self.mine:
-            if self.syncer.pending_count(p) >= max(1, live):
-                t0 = time.perf_counter()
-                try:
-                    result = self.syncer.merge(p, force=True)
-                except ValueError:
-                    self._drop_stale(p, set())
-                    continue
-                self.commit(result, time.perf_counter() - t0)
-                done += 1
-        return done
-
-    def _drop_stale(self, p: int, used_keys: set[str]) -> None:
-        """Pending refs of fragment p the merge left out were dropped by the staleness rule."""
-        for k in [k for k, ref in self.pending.items() if ref.fragment == p and k not in used_keys]:
-            ref = self.pending.pop(k)
-            self._refuse(ref, "stale: dropped at merge time")
-
-    def commit(self, r, merge_s: float) -> None:
-        t0 = time.perf_counter()
-        p, v = r.fragment, r.version
-        used = []
-        contributors = []
-        tokens = 0
-        for c in r.contributors:
-            # the engine key (learner, incarnation, fragment, base version) names one blob
-            match = next((k for k, ref in self.pending.items()
-                          if (ref.fragment, ref.learner, ref.incarnation, ref.base_version)
-                          == (p, c["learner"], c["incarnation"], c["base_version"])), None)
-            rng = []
-            if match is not None:
-                u = self.pending.pop(match)
-                used.append(u)
-                rng = [[u.start, u.end]]
-                self.ledger.add(u.learner, u.fragment, u.start, u.end)
-                tokens += u.end - u.start
-            contributors.append({**{k: _jsonable(val) for k, val in c.items()}, "ranges": rng})
-        self._drop_stale(p, {u.key for u in used})
-        tokens_equiv = tokens // max(1, self.P)
-        self.counters["tokens_contributed"] += tokens_equiv
-        t_blob = time.perf_counter()
-        update = self.syncer.global_update(p)
-        if update is not None:  # global_compression: learners holding v - 1 fetch this instead
-            self.store.put(keys.update_key(self.job_id, p, v, self.epoch), update)
-        blob = r.global_fragment.to_bytes("none")
-        gkey = keys.global_key(self.job_id, p, v, self.epoch)
-        self.store.put(gkey, blob)
-        self.timing["blob_s"] += time.perf_counter() - t_blob
-        self.timing["merge_s"] += merge_s
-        t_snap = time.perf_counter()
-        self.commits += 1
-        self.head[p] = v
-        self.head_epochs[p] = self.epoch
-        snap_key = keys.syncer_state_key(self.job_id, self.commits, self.epoch, self.shard)
-        self.store.put(snap_key, codec.pack({
-            "syncer": self.syncer.state_dict(), "ledger": self.ledger.to_dict(), "counters": self.counters,
-            "pending": sorted(self.pending),
-            "last_eval_commit": self.last_eval_commit, "last_ckpt_commit": self.last_ckpt_commit},
-            copy=False))  # the engine's state_dict() returns copies
-        t_db = time.perf_counter()
-        self.timing["snapshot_s"] += t_db - t_snap
-        with transaction.atomic():
-            lease = self._lease().select_for_update().first()
-            if lease is None:
-                raise LeaseLost("lease lost before commit")
-            OuterStep.objects.create(job_id=self.job_id, fragment=p, version=v, contributors=contributors,
-                                     merged_norm=float(r.merged_norm), duration_s=merge_s, blob_uri=gkey)
-            old_key = lease.state_key
-            SyncerLease.objects.filter(pk=lease.pk).update(
-                commits=self.commits, state_key=snap_key, head=self._head_json(),
-                last_heartbeat=now(), duplicates_refused=self.counters["duplicates_refused"],
-                zombies_refused=self.counters["zombies_refused"])
-            Job.objects.filter(pk=self.job_id).update(
-                outer_steps=F("outer_steps") + 1, tokens_contributed=F("tokens_contributed") + tokens_equiv,
-                tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed") + tokens_equiv),
-                bytes_sent=F("bytes_sent") + len(blob))
-            for u in used:
-                Learner.objects.filter(job_id=self.job_id, index=u.learner).update(
-                    tokens_contributed=F("tokens_contributed") + (u.end - u.start) // max(1, self.P))
-        self.timing["db_s"] += time.perf_counter() - t_db
-        t_blob = time.perf_counter()
-        self.store.put(keys.head_key(self.job_id, self.shard), keys.head_blob(self.head, self.head_epochs))
-        for u in used:
-            with contextlib.suppress(Exception):
-                self.store.delete(u.key)
-        if old_key and old_key != snap_key:
-            with contextlib.suppress(Exception):
-                self.store.delete(old_key)
-        self.timing["blob_s"] += time.perf_counter() - t_blob
-        self.sync_seconds += merge_s + (time.perf_counter() - t0)
-        self.commits_here += 1
-        total = self._outer_steps()
-        publish(self.job_id, {"type": "job", "status": st.RUNNING, "outer_steps": total})
-        self.last_merged_norm = float(r.merged_norm)
-        if not self.leader:
-            return
-        evaluate = total - self.last_eval_commit >= int(self.spec.get("eval_interval", 5))
-        if evaluate or time.monotonic() - self.last_metrics_at >= METRIC_EVERY_S:
-            self.job_metrics()
-        if evaluate:
-            self.last_eval_commit = total
-            self._metric("val_loss", self.evaluate(), self._tokens())
-        if total - self.last_ckpt_commit >= int(self.spec.get("checkpoint_interval", 10)):
-            self.last_ckpt_commit = total
-            self.export(Checkpoint.Kind.PERIODIC)
-
-    def _outer_steps(self) -> int:
-        """Outer steps of the whole job (this shard's commits when it is the only one)."""
-        if self.shards == 1:
-            return self.commits
-        return int(Job.objects.filter(pk=self.job_id).values_list("outer_steps", flat=True).first() or 0)
-
-    def _heads(self) -> list[tuple[dict[int, int], dict[int, int]]]:
-        """(versions, epochs) committed by every shard: this one's from memory, the others' heads
-        from the store."""
-        out = []
-        for k in range(self.shards):
-            if k == self.shard:
-                out.append((dict(self.head), dict(self.head_epochs)))
-                continue
-            try:
-                out.append(keys.parse_head(self.store.get(keys.head_key(self.job_id, k))))
-            except Exception:
-                out.append(({}, {}))
-        return out
-
-    def global_state(self) -> dict[str, torch.Tensor]:
-        """Every fragment's committed weights: this shard's from its engine, the other shards'
-        from the global blobs their heads name."""
-        from trainer.protocol import GlobalFragment
-
-        state = self.syncer.global_state()
-        for k, (head, epochs) in enumerate(self._heads()):
-            if k == self.shard:
-                continue
-            for p, v in head.items():
-                blob = self.store.get(keys.global_key(self.job_id, p, v, epochs.get(p)))
-                state.update(GlobalFragment.from_bytes(blob, expected=self._expected(p)).tensors)
-        return state
-
-    def _head_json(self) -> dict:
-        return {**{str(k): x for k, x in self.head.items()},
-                "epochs": {str(k): x for k, x in self.head_epochs.items()}}
-
-    def _tokens(self) -> int:
-        return int(self.counters["tokens_contributed"])
-
-    # ------------------------------------------------------------------ eval / export
-    def evaluate(self) -> float:
+    # ------------------------------------------------------------------ eval / metrics / export
+    def evaluate(self, state: dict[str, torch.Tensor] | None, step: int) -> float:
+        """Validation loss of `state` (the model as built when None), recorded at `step`."""
         from trainer.data import evaluate
 
-        if hasattr(self, "syncer"):
-            self.eval_model.load_state_dict(self.global_state(), strict=False)
+        if self.eval_model is None:
+            self.eval_model = self._build_model()
+        if state is not None:
+            self.eval_model.load_state_dict(state, strict=False)
         data = corpus(self.config.dataset, self.config.cache_dir)
-        return float(evaluate(self.eval_model, data, self.config.eval_batch_size or self.config.batch_size,
+        loss = float(evaluate(self.eval_model, data, self.config.eval_batch_size or self.config.batch_size,
                               self.config.seq_len, batches=self.config.eval_batches, seed=0))
+        self._metric("val_loss", loss, step)
+        return loss
+
+    def _build_model(self):
+        from trainer.models import build_model
+
+        data = corpus(self.config.dataset, self.config.cache_dir)
+        return build_model(self.config.model, seq_len=self.config.seq_len, seed=self.config.seed,
+                           vocab_size=data.vocab_size)
 
     def job_metrics(self) -> None:
         """`goodput` (tokens contributed / computed, at most 1), `bytes_sent` (cumulative) and
         `outer_step_norm` (the latest merged pseudo-gradient's norm) points at the job's
         contributed tokens, plus a live job message for dashboards."""
-        self.last_metrics_at = time.monotonic()
         row = Job.objects.filter(pk=self.job_id).values(
             "tokens_computed", "tokens_contributed", "bytes_sent", "energy_j", "cost").first()
         if row is None:
@@ -536,108 +218,30 @@ class SyncerRun:
         publish(self.job_id, {"type": "metrics", "points": [
             {"learner": None, "name": name, "step": step, "value": value, "time": time.time()}]})
 
-    def export(self, kind: str) -> Checkpoint:
+    def checkpoint(self, kind: str, state: dict[str, torch.Tensor], outer_steps: int,
+                   versions: dict[str, int]) -> Checkpoint:
         from safetensors.torch import save
 
-        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.global_state().items()}
-        total = self._outer_steps()
-        versions = {str(p): v for head, _ in self._heads() for p, v in head.items()}
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
         config = {"model": self.config.model, "seq_len": self.config.seq_len, "seed": self.config.seed,
-                  "spec": self.spec, "job": self.job_id, "outer_steps": total,
-                  "versions": dict(sorted(versions.items(), key=lambda kv: int(kv[0])))}
+                  "spec": self.job.spec, "job": self.job_id, "outer_steps": outer_steps, "versions": versions}
         blob = save(tensors, metadata={"config": json.dumps(config)})
-        key = keys.checkpoint_key(self.job_id, total, kind)
+        key = keys.checkpoint_key(self.job_id, outer_steps, kind)
         self.store.put(key, blob)
         self.store.put(key.removesuffix(".safetensors") + ".json", json.dumps(config, indent=2).encode())
-        ck = Checkpoint.objects.create(job_id=self.job_id, version=total, kind=kind, blob_uri=key,
+        ck = Checkpoint.objects.create(job_id=self.job_id, version=outer_steps, kind=kind, blob_uri=key,
                                        size_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
-        event(self.job, Event.Kind.CHECKPOINTED, f"{kind} checkpoint at outer step {total}",
+        event(self.job, Event.Kind.CHECKPOINTED, f"{kind} checkpoint at outer step {outer_steps}",
               {"checkpoint": ck.pk, "key": key, "bytes": len(blob)})
         return ck
 
-    # ------------------------------------------------------------------ main loop
-    def _pulse(self) -> None:
-        """Stamp the lease from a side thread while the main loop keeps ticking (slow builds and
-        evaluations must not look like a dead syncer; a hung loop stops the stamps)."""
-        from django.db import connection
-
-        while not self._stop.wait(min(0.5, hb_interval())):
-            if time.monotonic() - self.tick > 60:
-                continue
-            try:
-                n = self._lease().update(last_heartbeat=now())
-                if n == 0:
-                    return
-            except Exception:
-                log.debug("syncer pulse failed", exc_info=True)
-        connection.close()
-
-    def run(self) -> str:
-        import threading
-
-        self.tick = time.monotonic()
-        self._stop = threading.Event()
-        pulse = threading.Thread(target=self._pulse, name=f"syncer-{self.job_id}-{self.shard}-pulse",
-                                 daemon=True)
-        pulse.start()
-        try:
-            return self._run()
-        finally:
-            self._stop.set()
-
-    def _run(self) -> str:
-        self.build()
-        next_hb = 0.0
-        status = st.RUNNING
-        while True:
-            t = self.tick = time.monotonic()
-            if t >= next_hb:
-                status = self.heartbeat()
-                next_hb = t + min(0.5, hb_interval())
-                if status not in ACTIVE_JOB and (status == st.PAUSED or status in st.TERMINAL):
-                    self._stop.set()
-                    self._lease().update(worker="", last_heartbeat=None)
-                    return f"stopped: job {status}"
-            self.scan()
-            self.merge_due()
-            self.merge_short()
-            if status == st.RUNNING and self._all_learners_finished():
-                self.scan()
-                if not self._waiting_keys():
-                    self.merge_due(force=True)
-                    if not self.leader:
-                        self.finish_shard()
-                        return "completed"
-                    if self._other_shards_finished():
-                        self.finish()
-                        return "completed"
-                    # else the leader waits for the other shards to merge their last contributions
-            time.sleep(0.05)
-
-    def _waiting_keys(self) -> bool:
-        return any(k not in self.seen for k in self.store.list(keys.contrib_prefix(self.job_id)))
-
-    def _other_shards_finished(self) -> bool:
-        if self.shards == 1:
-            return True
-        done = SyncerLease.objects.filter(job_id=self.job_id, finished=True).exclude(shard=self.shard).count()
-        return done >= self.shards - 1
-
-    def finish_shard(self) -> None:
-        """A shard other than the leader: its fragments are merged to the end."""
-        self._lease().update(finished=True)
-        event(self.job, Event.Kind.INFO, f"syncer shard {self.shard} finished: {self.commits} outer steps",
-              {"shard": self.shard, "commits": self.commits, "commits_this_epoch": self.commits_here,
-               "sync_seconds": round(self.sync_seconds, 4), "epoch": self.epoch, **self.counters})
-
-    def _all_learners_finished(self) -> bool:
-        states = [f[2] for f in self.fences.values()]
-        return bool(states) and all(s in (Learner.State.DONE, Learner.State.REMOVED) for s in states)
-
-    def finish(self) -> None:
-        loss = self.evaluate()
-        self._metric("val_loss", loss, self._tokens())
-        self.export(Checkpoint.Kind.FINAL)
+    # ------------------------------------------------------------------ the end
+    def finished(self, summary: dict, loss: float | None) -> None:
+        if loss is None:  # a shard other than the leader: its fragments are merged to the end
+            self._lease().update(finished=True)
+            event(self.job, Event.Kind.INFO,
+                  f"syncer shard {self.shard} finished: {summary['commits']} outer steps", summary)
+            return
         self.account()  # final energy / cost
         contributed = Job.objects.filter(pk=self.job_id).values_list("tokens_contributed", flat=True).first()
         computed = max(self._computed(), int(contributed or 0))
@@ -645,12 +249,8 @@ class SyncerRun:
                                                   tokens_lost=max(0, computed - int(contributed or 0)))
         self.job_metrics()
         self._lease().update(finished=True)
-        total = self._outer_steps()
-        event(self.job, Event.Kind.INFO, f"syncer finished: {total} outer steps",
-              {"commits": self.commits, "commits_this_epoch": self.commits_here,
-               "sync_seconds": round(self.sync_seconds, 4),
-               "contribution_read_seconds": round(self.blob_seconds, 4),
-               "epoch": self.epoch, **{k: round(v, 4) for k, v in self.timing.items()}, **self.counters})
+        total = self.outer_steps() if self.shards > 1 else summary["commits"]
+        event(self.job, Event.Kind.INFO, f"syncer finished: {total} outer steps", summary)
         job = Job.objects.get(pk=self.job_id)
         with contextlib.suppress(st.IllegalTransition):
             job.transition(st.COMPLETED, f"all learners finished; val loss {loss:.4f}")
@@ -659,23 +259,79 @@ class SyncerRun:
             .update(healed_at=now())
 
 
+class SyncerRun(DjangoSyncerHost):
+    """The wiring of one syncer shard: the engine, the loop over the blob store, this host, and a
+    side thread that stamps the lease while the loop is busy."""
+
+    loop: SyncerLoop
+
+    def build(self) -> None:
+        from trainer.clock import WallClock
+        from trainer.syncer import Syncer
+
+        torch.set_num_threads(1)
+        model = self.eval_model = self._build_model()
+        engine = Syncer(self.config, model, WallClock(), job=str(self.job_id), fence_incarnations=False)
+        self.loop = SyncerLoop(engine, self.store, self, job=self.job_id, epoch=self.epoch, shard=self.shard,
+                               shards=self.shards, eval_interval=self.spec.eval_interval,
+                               checkpoint_interval=self.spec.checkpoint_interval,
+                               heartbeat_interval=min(0.5, hb_interval()))
+        if not self.loop.start() and self.job.initial_val_loss is None and self.leader:
+            loss = self.evaluate(None, 0)
+            Job.objects.filter(pk=self.job_id).update(initial_val_loss=loss)
+
+    # what the tests of the runtime look at
+    syncer = property(lambda self: self.loop.syncer)
+    shapes = property(lambda self: self.loop.shapes)
+    ledger = property(lambda self: self.loop.ledger)
+    pending = property(lambda self: self.loop.pending)
+    counters = property(lambda self: self.loop.counters)
+
+    def heartbeat(self) -> Beat:
+        return self.loop.heartbeat()
+
+    def scan(self) -> int:
+        return self.loop.scan()
+
+    def merge_due(self, force: bool = False) -> int:
+        return self.loop.merge_due(force=force)
+
+    def _pulse(self) -> None:
+        """Stamp the lease from a side thread while the main loop keeps ticking (slow builds and
+        evaluations must not look like a dead syncer; a hung loop stops the stamps)."""
+        from django.db import connection
+
+        while not self._stop.wait(min(0.5, hb_interval())):
+            ticked = self.loop.ticked_at if hasattr(self, "loop") else self._started
+            if time.monotonic() - ticked > 60:
+                continue
+            try:
+                if self._lease().update(last_heartbeat=now()) == 0:
+                    return
+            except Exception:
+                log.debug("syncer pulse failed", exc_info=True)
+        connection.close()
+
+    def run(self) -> str:
+        import threading
+
+        self._started = time.monotonic()
+        self._stop = threading.Event()
+        pulse = threading.Thread(target=self._pulse, name=f"syncer-{self.job_id}-{self.shard}-pulse",
+                                 daemon=True)
+        pulse.start()
+        try:
+            self.build()
+            return self.loop.run()
+        finally:
+            self._stop.set()
+
+
 def goodput(contributed: int, computed: int) -> float:
     """Share of the computed tokens that reached the global model, in [0, 1]."""
     if computed <= 0:
         return 0.0
     return max(0.0, min(1.0, contributed / computed))
-
-
-def _jsonable(v):
-    if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, float | int | str | bool) or v is None:
-        return v
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    return str(v)
 
 
 def run_syncer_body(job_id: int, epoch: int, worker: str, shard: int = 0) -> str:

@@ -5,22 +5,26 @@
   run_syncer(job_id, epoch, shard)            coordinator queue; long-running, one per job shard
   watchdog()                                  coordinator queue; beat, every second
   rebalance()                                 coordinator queue; beat, every few seconds
+
+Senders use the names (diloco_platform.celery.send), never this module: it imports them.
 """
 from __future__ import annotations
 
 from celery import shared_task
 
+from diloco_platform.celery import RECONCILE_JOB, RUN_LEARNER, RUN_SYNCER
+
 from .common import log
 
 
-@shared_task(name="apps.coordinator.tasks.reconcile_job", ignore_result=True)
+@shared_task(name=RECONCILE_JOB, ignore_result=True)
 def reconcile_job(job_id: int) -> str:
     from .control import reconcile
 
     return reconcile(int(job_id))
 
 
-@shared_task(bind=True, name="apps.coordinator.tasks.run_learner", ignore_result=True, acks_late=False,
+@shared_task(bind=True, name=RUN_LEARNER, ignore_result=True, acks_late=False,
              time_limit=None, soft_time_limit=None, max_retries=0)
 def run_learner(self, job_id: int, index: int, incarnation: int) -> str:
     from .learner import run_learner_body
@@ -32,7 +36,7 @@ def run_learner(self, job_id: int, index: int, incarnation: int) -> str:
         raise
 
 
-@shared_task(bind=True, name="apps.coordinator.tasks.run_syncer", ignore_result=True, acks_late=False,
+@shared_task(bind=True, name=RUN_SYNCER, ignore_result=True, acks_late=False,
              time_limit=None, soft_time_limit=None, max_retries=0)
 def run_syncer(self, job_id: int, epoch: int, shard: int = 0) -> str:
     from .syncer import run_syncer_body

@@ -13,7 +13,7 @@ from django.db import connection, transaction
 from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
-from apps.inventory.models import Node, Pool
+from apps.inventory.models import Node, Pool, estimated_watts, visible_nodes_q
 from apps.jobs import access
 from apps.jobs import state as st
 from apps.jobs.models import Job, Learner, MetricPoint
@@ -136,6 +136,14 @@ def downsample(job_ids: Iterable[int], names: Iterable[str], buckets: int = 200,
     return _fold(rows, buckets, names, out)
 
 
+def _job_x(learners_seen: dict, job_id: int, name: str, groups: dict) -> int:
+    """A bucket's x in job tokens (see _fold)."""
+    if None in groups or not learners_seen[(job_id, name)]:
+        return int(groups[None][2] if None in groups else max(g[2] for g in groups.values()))
+    mean_step = sum(g[2] for g in groups.values()) / len(groups)
+    return int(mean_step * len(learners_seen[(job_id, name)]))
+
+
 def _fold(rows, buckets: int, names: list[str], out: dict) -> dict:
     """Per-learner groups -> one point per (job, name, bucket).
 
@@ -143,8 +151,7 @@ def _fold(rows, buckets: int, names: list[str], out: dict) -> dict:
     counts that learner's tokens, so a bucket's x is the mean of its learners' newest steps
     times the number of learners that report the series (equal progress, which dynamic
     local updates aim for). When a job sends no tokens_per_s series, it is derived from the
-    learners' own progress: each learner's tokens gained between consecutive buckets over
-    the time between them, added up over learners.
+    learners' own progress (_derive_tokens_per_s).
     """
     # (job, name, bucket) -> {"t": newest time, "l": {learner: [value sum, count, newest step]}}
     acc: dict[tuple, dict] = {}
@@ -160,40 +167,42 @@ def _fold(rows, buckets: int, names: list[str], out: dict) -> dict:
         if learner_id is not None:
             learners_seen[(job_id, name)].add(learner_id)
 
-    def job_x(job_id, name, groups: dict) -> int:
-        if None in groups or not learners_seen[(job_id, name)]:
-            return int(groups[None][2] if None in groups else max(g[2] for g in groups.values()))
-        mean_step = sum(g[2] for g in groups.values()) / len(groups)
-        return int(mean_step * len(learners_seen[(job_id, name)]))
-
     for (job_id, name, _b), a in sorted(acc.items(), key=lambda kv: kv[0]):
         means = [v / n for v, n, _x, _t in a["l"].values()]
         y = sum(means) if name in SUMMED else sum(means) / len(means)
-        out[job_id].setdefault(name, []).append((job_x(job_id, name, a["l"]), a["t"], float(y)))
+        x = _job_x(learners_seen, job_id, name, a["l"])
+        out[job_id].setdefault(name, []).append((x, a["t"], float(y)))
 
     if "tokens_per_s" in names and "train_loss" in names:
         for job_id, series in out.items():
             if "tokens_per_s" in series or not learners_seen[(job_id, "train_loss")]:
                 continue
-            last: dict = {}  # learner -> (step, time) at its previous bucket
-            derived = []
-            for b in range(buckets):
-                a = acc.get((job_id, "train_loss", b))
-                if not a:
-                    continue
-                rate = 0.0
-                for lid, (_v, _n, x, t) in a["l"].items():
-                    if lid is None:
-                        continue
-                    prev = last.get(lid)
-                    if prev and t > prev[1] and x >= prev[0]:
-                        rate += (x - prev[0]) / (t - prev[1])
-                    last[lid] = (x, t)
-                if rate > 0:
-                    derived.append((job_x(job_id, "train_loss", a["l"]), a["t"], rate))
+            derived = _derive_tokens_per_s(acc, learners_seen, job_id, buckets)
             if derived:
                 series["tokens_per_s"] = derived
     return out
+
+
+def _derive_tokens_per_s(acc: dict, learners_seen: dict, job_id: int, buckets: int) -> list[tuple]:
+    """A job's tokens/s from its learners' train_loss points: each learner's tokens gained
+    between consecutive buckets over the time between them, added up over learners."""
+    last: dict = {}  # learner -> (step, time) at its previous bucket
+    derived = []
+    for b in range(buckets):
+        a = acc.get((job_id, "train_loss", b))
+        if not a:
+            continue
+        rate = 0.0
+        for lid, (_v, _n, x, t) in a["l"].items():
+            if lid is None:
+                continue
+            prev = last.get(lid)
+            if prev and t > prev[1] and x >= prev[0]:
+                rate += (x - prev[0]) / (t - prev[1])
+            last[lid] = (x, t)
+        if rate > 0:
+            derived.append((_job_x(learners_seen, job_id, "train_loss", a["l"]), a["t"], rate))
+    return derived
 
 
 def start_of_today() -> datetime:
@@ -213,7 +222,7 @@ def pool_rows(pools: Iterable[Pool] | None = None) -> list[dict]:
     }
     nodes = defaultdict(lambda: {"online": 0, "total": 0, "measured": 0.0})
     for r in (
-        Node.objects.filter(pool_id__in=ids)
+        Node.objects.filter(visible_nodes_q(), pool_id__in=ids)  # purged nodes are not shown
         .values("pool_id", "state")
         .annotate(n=Count("id"), measured=Sum("measured_tokens_per_s"))
         .order_by()
@@ -236,8 +245,7 @@ def pool_rows(pools: Iterable[Pool] | None = None) -> list[dict]:
             "measured_peak_tokens_per_s": nodes[p.pk]["measured"] or None,
             "nodes_online": nodes[p.pk]["online"],
             "nodes_total": nodes[p.pk]["total"],
-            # TDP-based estimate: devices running learners draw their TDP, idle ones ~15 %.
-            "watts": round(p.accelerator.tdp_watts * (busy + 0.15 * max(p.device_count - busy, 0))),
+            "watts": round(estimated_watts(p.accelerator.tdp_watts, p.device_count, busy)),
             "peak_tflops": p.total_peak_tflops,
             "cost_per_hour": p.cost_per_hour,
         })
@@ -253,3 +261,44 @@ def energy_cost_today(jobs: QuerySet[Job]) -> dict:
 
 
 ACTIVE = (st.PLACING, st.RUNNING, st.PAUSING)
+
+
+HISTORY_SERIES = ("utilisation", "tokens_per_s", "watts")
+
+
+def fleet_history(since: datetime, buckets: int = 200, *, pool_id: int | None = None,
+                  node_id: int | None = None) -> dict[str, list[tuple[float, float]]]:
+    """{series: [(unix_time, mean), ...]}: a pool's samples (node_id None) or a node's since
+    `since`, cut in the database into at most `buckets` equal spans of time, each averaged.
+
+    One query on the (pool, time) or (node, time) index, however many samples there are.
+    """
+    from apps.inventory.models import FleetSample
+
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in HISTORY_SERIES}
+    qn = connection.ops.quote_name
+    table, tm = qn(FleetSample._meta.db_table), qn("time")
+    epoch = ("EXTRACT(EPOCH FROM {t})" if connection.vendor == "postgresql"
+             else "CAST(strftime('%%s', {t}) AS REAL)").format(t=tm)
+    start = since.timestamp()
+    width = max((timezone.now().timestamp() - start) / max(buckets, 1), 1e-3)
+    if node_id is not None:
+        where, params = "node_id = %s", [node_id]
+    else:
+        where, params = "pool_id = %s AND node_id IS NULL", [pool_id]
+    floor = "FLOOR" if connection.vendor == "postgresql" else "CAST"  # SQLite: CAST(x AS INTEGER), x >= 0
+    bucket = f"{floor}(({epoch} - %s) / %s{' AS INTEGER' if floor == 'CAST' else ''})"
+    # Only %s placeholders and quoted identifiers are formatted into the text.
+    sql = f"""
+        SELECT {bucket} AS bucket, MAX({epoch}),
+               AVG(utilisation), AVG(tokens_per_s), AVG(watts)
+        FROM {table}
+        WHERE {where} AND {tm} >= %s
+        GROUP BY bucket ORDER BY bucket
+    """  # noqa: S608
+    with connection.cursor() as cur:
+        cur.execute(sql, [start, width, *params, since])
+        for _b, t, util, tps, watts in cur.fetchall():
+            for name, v in zip(HISTORY_SERIES, (util, tps, watts), strict=True):
+                out[name].append((float(t), float(v)))
+    return out

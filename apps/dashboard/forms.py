@@ -23,7 +23,8 @@ from trainer.spec import JobSpec
 # Field groups shown as fieldsets; a schema field missing here lands in "Other".
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Job", ("name", "team", "strategy", "model", "dataset")),
-    ("Learners", ("learners", "min_learners", "max_learners", "quorum")),
+    ("Learners", ("learners", "min_learners", "max_learners", "quorum", "devices_per_learner",
+                  "inner_parallelism")),
     ("Schedule", ("steps", "max_tokens", "inner_steps", "fragments", "warmup_steps",
                   "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),
     ("Optimisation", ("inner_lr", "outer_lr", "outer_momentum", "outer_momentum_warmup", "weight_decay",

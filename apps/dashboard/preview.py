@@ -1,8 +1,8 @@
 """Dry run of a job spec against the current inventory, for the /jobs/new page.
 
 The plan comes from the same code as the API's dry run (apps.api.placement.preview, which
-asks the platform's placement policy trainer.placement.place), so the dashboard and the
-API always show the same placement, work sizes and estimates.
+shows the coordinator's own plan), so the dashboard, the API and the coordinator agree on
+placement, work sizes and estimates.
 """
 from __future__ import annotations
 

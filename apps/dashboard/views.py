@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import logging
 from collections import defaultdict
+from datetime import timedelta
 
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
@@ -27,8 +28,11 @@ from apps.jobs import state as st
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner, OuterStep
 from apps.jobs.spec import SpecError
 
-from . import data
+from . import compare, data
+from .demo_chaos import demo_chaos_enabled
 from .forms import JobSpecForm, TokenCreateForm, TokenRevokeForm
+from .job_filters import JobFilters
+from .markers import job_markers
 from .preview import dry_run
 
 log = logging.getLogger(__name__)
@@ -144,14 +148,74 @@ def pool_detail(request, slug):
         "job", "node").order_by("job_id", "index")
     learners = learners.filter(access.job_access_q(request.user, "job__"))
     events = Event.objects.filter(access.job_or_fleet_q(request.user), pool=pool).order_by("-time")[:50]
+    span = _history_span(request)
+    if isinstance(span, HttpResponse):
+        return span
+    nodes = list(Node.objects.filter(pool=pool).order_by("hostname"))
     return render(request, "dashboard/pool.html", {
         "pool": pool,
         "rows": data.pool_rows([pool]),
-        "nodes": list(Node.objects.filter(pool=pool).order_by("hostname")),
+        "nodes": [n for n in nodes if not n.is_purged],
+        "purged_nodes": sum(n.is_purged for n in nodes),
         "learners": list(learners[:200]),
         "events": list(events),
+        "history": _history(span, pool_id=pool.pk),
+        "history_range": span,
+        "history_ranges": list(HISTORY_RANGES),
         "nav": "fleet",
     })
+
+
+HISTORY_RANGES = {"1h": 3600, "6h": 6 * 3600, "24h": 24 * 3600, "7d": 7 * 86400, "30d": 30 * 86400}
+HISTORY_BUCKETS = 240
+
+
+def _history_span(request) -> str | HttpResponse:
+    """The `range` of the history charts, or a 400 that names the field and the reason."""
+    span = request.GET.get("range", "6h")
+    if span not in HISTORY_RANGES:
+        return HttpResponse(f"range: must be one of {', '.join(HISTORY_RANGES)}\n", status=400,
+                            content_type="text/plain")
+    return span
+
+
+def _history(span: str, **which) -> dict:
+    since = timezone.now() - timedelta(seconds=HISTORY_RANGES[span])
+    return data.fleet_history(since, HISTORY_BUCKETS, **which)
+
+
+@login_required
+def node_detail(request, slug, pk):
+    """A node: its figures, its utilisation, tokens/s and power history, its learners."""
+    node = get_object_or_404(Node.objects.select_related("pool__accelerator"), pk=pk, pool__slug=slug)
+    span = _history_span(request)
+    if isinstance(span, HttpResponse):
+        return span
+    learners = (Learner.objects.filter(node=node, state__in=[Learner.State.RUNNING, Learner.State.STARTING])
+                .filter(access.job_access_q(request.user, "job__")).select_related("job")
+                .order_by("job_id", "index"))
+    events = (Event.objects.filter(access.job_or_fleet_q(request.user), pool=node.pool,
+                                   message__contains=node.worker_name).order_by("-time")[:50])
+    return render(request, "dashboard/node.html", {
+        "node": node, "pool": node.pool, "learners": list(learners[:200]), "events": list(events),
+        "history": _history(span, node_id=node.pk), "history_range": span,
+        "history_ranges": list(HISTORY_RANGES), "nav": "fleet",
+    })
+
+
+@login_required
+def fleet_history_json(request, slug, pk=None):
+    """The history charts' series ({series: [[unix_time, value], ...]}), refetched by the pages."""
+    pool = get_object_or_404(Pool, slug=slug)
+    span = _history_span(request)
+    if isinstance(span, HttpResponse):
+        return span
+    if pk is not None:
+        node = get_object_or_404(Node, pk=pk, pool=pool)
+        series = _history(span, node_id=node.pk)
+    else:
+        series = _history(span, pool_id=pool.pk)
+    return JsonResponse({name: [[t, v] for t, v in pts] for name, pts in series.items()})
 
 
 @staff_member_required
@@ -189,27 +253,28 @@ def _next_url(request, default: str) -> str:
 # --------------------------------------------------------------------------- jobs
 @login_required
 def job_list(request):
-    jobs = data.visible_jobs(request.user).select_related("owner")
-    status = request.GET.get("status", "")
-    q = request.GET.get("q", "").strip()[:100]
-    counts = dict(data.visible_jobs(request.user).values_list("status").annotate(n=Count("id")).order_by())
-    if status == "active":
-        jobs = jobs.filter(status__in=data.ACTIVE)
-    elif status in st.STATUSES:
-        jobs = jobs.filter(status=status)
-    else:
-        status = ""
-    if q:
-        cond = Q(name__icontains=q) | Q(team__icontains=q) | Q(owner__username__icontains=q)
-        if q.lstrip("#").isdigit():
-            cond |= Q(pk=int(q.lstrip("#")))
-        jobs = jobs.filter(cond)
+    """Jobs, filtered by status, owner, team, pool and text, all in the URL (job_filters)."""
+    visible = data.visible_jobs(request.user)
+    f = JobFilters.from_query(request.GET)
+    # one query for the status counts and the owner and team choices
+    counts: dict[str, int] = defaultdict(int)
+    owners, teams = set(), set()
+    for status, owner, team, n in (visible.values_list("status", "owner__username", "team")
+                                   .annotate(n=Count("id")).order_by()):
+        counts[status] += n
+        owners.add(owner)
+        teams.add(team)
+    jobs = f.apply(visible.select_related("owner"))
     page = Paginator(jobs.order_by("-created_at"), 25).get_page(request.GET.get("page"))
     filters = [("", "All", sum(counts.values())),
                ("active", "Active", sum(counts.get(s, 0) for s in data.ACTIVE))]
     filters += [(s, s.capitalize(), counts.get(s, 0)) for s in st.STATUSES]
     return render(request, "dashboard/jobs.html", {
-        "page": page, "status": status, "q": q, "filters": filters, "nav": "jobs",
+        "page": page, "status": f.status, "q": f.q, "f": f, "nav": "jobs",
+        "filters": [(v, label, n, f.query(status=v)) for v, label, n in filters],
+        "owners": sorted(owners), "teams": sorted(t for t in teams if t),
+        "pools": list(Pool.objects.order_by("slug").values_list("slug", flat=True)),
+        "page_query": f.query(),
     })
 
 
@@ -349,6 +414,7 @@ def job_detail(request, pk):
         "checkpoints": list(job.checkpoints.order_by("-version")[:50]),
         "syncer_shards": SyncerLease.shards_of(job),
         "chart_data": chart_data,
+        "demo_chaos": demo_chaos_enabled() and request.user.is_staff,
         "pools_here": pools_here,
         "goodput": goodput,
         "can_cancel": "cancel" in actions,
@@ -364,6 +430,55 @@ def job_series(request, pk):
     job = get_object_or_404(data.visible_jobs(request.user).only("pk"), pk=pk)
     series = data.downsample([job.pk], data.CHART_SERIES, JOB_CHART_BUCKETS)[job.pk]
     return JsonResponse({name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()})
+
+
+@login_required
+def job_markers_json(request, pk):
+    """Incidents, learner moves and checkpoints as chart markers (refetched by the job page)."""
+    job = get_object_or_404(data.visible_jobs(request.user).only("pk"), pk=pk)
+    return JsonResponse({"markers": job_markers(job)})
+
+
+@staff_member_required
+@require_POST
+def demo_kill_worker(request, pk):
+    """Demo only (DILOCO_DEMO_CHAOS=1): ask `manage.py demo` to SIGKILL the worker of a pool
+    that runs one of this job's learners, so an incident opens, the learner moves and heals."""
+    from .demo_chaos import kill_candidates, request_kill
+
+    if not demo_chaos_enabled():
+        raise Http404("the chaos button exists only in `manage.py demo`")
+    job = get_object_or_404(Job, pk=pk)
+    pools = kill_candidates(job.pk)
+    if not pools:
+        messages.error(request, f"Job #{job.pk} has no running learner: nothing to kill.")
+    else:
+        request_kill(pools, job.pk, request.user.username)
+        messages.success(request, f"Asked the demo to kill the worker of pool {pools[0]}: watch the "
+                                  "charts for the incident marker, the learner move and the heal.")
+    return redirect("dashboard:job", pk=job.pk)
+
+
+@login_required
+def compare_jobs(request):
+    """Several jobs overlaid, one pinned as baseline (apps.dashboard.compare). Bad or unknown
+    ids re-render the page with the reason (200, like the forms here), never an error page."""
+    raw = request.GET.getlist("jobs")
+    ctx = {"nav": "jobs", "raw_jobs": ",".join(raw)[:200], "error": None, "result": None}
+    if any(v.strip() for v in raw):
+        try:
+            ids = compare.parse_ids(raw)
+            baseline = compare.parse_baseline(request.GET.get("baseline"), ids)
+            metric = compare.parse_metric(request.GET.get("metric"))
+            result = compare.compare(request.user, ids, baseline, metric)
+        except compare.CompareError as exc:
+            ctx["error"] = exc
+        else:
+            ctx["result"] = result
+            ctx["ids"] = ",".join(str(r["id"]) for r in result["jobs"])
+            ctx["chart"] = {"metric": result["metric"], "jobs": [
+                {k: r[k] for k in ("id", "name", "baseline", "series")} for r in result["jobs"]]}
+    return render(request, "dashboard/compare.html", ctx)
 
 
 @login_required

@@ -143,9 +143,44 @@ class Node(models.Model):
     registered_at = models.DateTimeField(default=timezone.now)
     last_seen = models.DateTimeField(default=timezone.now)
     measured_tokens_per_s = models.FloatField(null=True, blank=True)
+    purged_at = models.DateTimeField(
+        null=True, blank=True,
+        help_text="hidden from the fleet view since (offline too long); a heartbeat after it shows it again",
+    )
 
     class Meta:
         ordering = ["pool__slug", "hostname"]
 
     def __str__(self) -> str:
         return self.worker_name
+
+    @property
+    def is_purged(self) -> bool:
+        return self.purged_at is not None and self.last_seen <= self.purged_at
+
+
+def visible_nodes_q(prefix: str = "") -> models.Q:
+    """Nodes the fleet view shows: never purged, or seen again since their purge."""
+    return models.Q(**{f"{prefix}purged_at__isnull": True}) | models.Q(
+        **{f"{prefix}last_seen__gt": models.F(f"{prefix}purged_at")})
+
+
+def estimated_watts(tdp_watts: float, devices: int, busy: int) -> float:
+    """TDP-based draw: devices running learners draw their TDP, idle ones about 15 %."""
+    return float(tdp_watts) * (busy + 0.15 * max(devices - busy, 0))
+
+
+class FleetSample(models.Model):
+    """One reading of a pool (node empty) or of one node: the points of its history charts."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="samples")
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.CASCADE, related_name="samples")
+    time = models.DateTimeField(default=timezone.now, db_index=True)
+    devices = models.PositiveIntegerField(default=0)
+    busy = models.PositiveIntegerField(default=0, help_text="devices running a learner")
+    utilisation = models.FloatField(default=0.0)
+    tokens_per_s = models.FloatField(default=0.0)
+    watts = models.FloatField(default=0.0, help_text="TDP-based estimate")
+
+    class Meta:
+        indexes = [models.Index(fields=["pool", "time"]), models.Index(fields=["node", "time"])]

@@ -227,7 +227,9 @@ def node_for_worker(hostname: str | None):
 
 
 def worker_slots(worker) -> int:
-    """Tasks a Celery worker runs at once: 1 for the solo pool, else its concurrency."""
+    """Tasks a Celery worker runs at once: 1 for the solo pool, else its concurrency. `worker` is the
+    WorkController, or the Consumer that worker_ready sends (which holds it as `controller`)."""
+    worker = getattr(worker, "controller", None) or worker
     pool_cls = getattr(worker, "pool_cls", None)
     if pool_cls is not None and getattr(pool_cls, "__module__", "").endswith(".solo"):
         return 1

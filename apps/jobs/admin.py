@@ -61,11 +61,6 @@ class JobAdmin(admin.ModelAdmin):
     inlines = (LearnerInline,)
     actions = ("cancel", "pause", "resume")
 
-    def get_inlines(self, request, obj):
-        from apps.coordinator.admin import SyncerLeaseInline
-
-        return (LearnerInline, SyncerLeaseInline)
-
     def has_add_permission(self, request):
         return False  # jobs are submitted through the dashboard, the API or the CLI (one validation path)
 

@@ -42,7 +42,11 @@ class Job(models.Model):
                 name="unique_idempotency_key_per_owner",
             )
         ]
-        indexes = [models.Index(fields=["status"])]
+        indexes = [
+            models.Index(fields=["status"]),
+            # the API's job list: a user's jobs, newest first (issue 19)
+            models.Index(fields=["owner", "-created_at"], name="jobs_job_owner_created_idx"),
+        ]
 
     def __str__(self) -> str:
         return f"#{self.pk} {self.name}"

@@ -10,6 +10,8 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
+from diloco_platform.celery import RECONCILE_JOB, send
+
 from . import state as st
 from .access import team_error
 from .models import Event, Job
@@ -21,20 +23,14 @@ logger = logging.getLogger(__name__)
 def _kick_coordinator(job_id: int) -> None:
     """Tell the coordinator to look at this job now (its watchdog also picks up queued jobs and
     paused/cancelled learners on its own, so a broker hiccup never fails the user's request)."""
-    from apps.coordinator import tasks  # late import: coordinator imports jobs
-
-    kick = getattr(tasks, "reconcile_job", None)
-    if kick is None:
-        return
-
-    def send() -> None:
+    def kick() -> None:
         try:
-            kick.delay(job_id)
+            send(RECONCILE_JOB, job_id)  # by name: the coordinator imports jobs, never the reverse
         except Exception:  # broker down: the coordinator's watchdog reconciles within seconds
             logger.warning("could not reach the broker to kick job %s; the watchdog will", job_id,
                            exc_info=True)
 
-    transaction.on_commit(send)
+    transaction.on_commit(kick)
 
 
 def submit_job(owner, spec_data: Any, idempotency_key: str | None = None, team: str = "") -> tuple[Job, bool]:

@@ -61,8 +61,36 @@ def dataset_problem(dataset: str) -> str | None:
     return None
 
 
-def validate_spec(data: Any) -> JobSpec:
-    """Validate a job spec (dict) or raise SpecError with field-level messages."""
+def largest_node(pools: list[str]) -> tuple[int, str]:
+    """(devices of the largest node, its pool) among `pools` (all active pools when empty): a node's
+    registered device slots, or its pool's declared devices while no node of it has registered."""
+    from apps.inventory.models import Node, Pool
+
+    qs = Pool.objects.filter(slug__in=pools) if pools else Pool.objects.filter(state=Pool.State.ACTIVE)
+    best = (0, "")
+    for pool in qs:
+        counts = list(Node.objects.filter(pool=pool).exclude(state=Node.State.LOST)
+                      .values_list("device_count", flat=True))
+        devices = max(counts) if counts else pool.device_count
+        best = max(best, (devices, pool.slug))
+    return best
+
+
+def island_problem(spec: JobSpec) -> str | None:
+    """Why a learner of `spec` fits on no node (an island spans one node's devices), or None."""
+    if spec.devices_per_learner <= 1:
+        return None
+    devices, slug = largest_node(spec.pools)
+    if devices >= spec.devices_per_learner:
+        return None
+    where = f"the largest node (pool {slug}) has {devices}" if slug else "no pool has a node"
+    return f"a learner needs {spec.devices_per_learner} devices on one node; {where}"
+
+
+def validate_spec(data: Any, *, fleet: bool = True) -> JobSpec:
+    """Validate a job spec (dict) or raise SpecError with field-level messages. `fleet`: also check
+    what depends on today's inventory (a learner's devices fit on one node); a running job's spec,
+    validated again at every use, is not held to a fleet that changed under it."""
     if not isinstance(data, dict):
         raise SpecError({"non_field_errors": ["the spec must be a JSON object"]})
     try:
@@ -76,6 +104,9 @@ def validate_spec(data: Any) -> JobSpec:
     problem = dataset_problem(spec.dataset)
     if problem:
         errors["dataset"] = [problem]
+    island = island_problem(spec) if fleet else None
+    if island:
+        errors["devices_per_learner"] = [island]
     if errors:
         raise SpecError(errors)
     return spec

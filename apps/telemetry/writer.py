@@ -177,84 +177,122 @@ class TelemetryWriter:
 
 def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], events: list[dict]) -> dict:
     """One flush, in a worker thread: returns the rows written and the messages to fan out."""
-    from apps.inventory.models import Node, Pool
-    from apps.jobs.models import Event, Job, Learner, MetricPoint
-
-    fenced = stale = 0
-    updated: list[int] = []
-    created_events: list[Event] = []
     with transaction.atomic():
-        if hb:
-            current = {
-                pk: (inc, tokens)
-                for pk, inc, tokens in Learner.objects.select_for_update()
-                .filter(pk__in=sorted(hb))
-                .order_by("pk")
-                .values_list("pk", "incarnation", "tokens")
-            }
-            objs = []
-            for pk in sorted(hb):
-                h = hb[pk]
-                inc, tokens = current.get(pk, (None, 0))
-                if inc != h["incarnation"]:
-                    fenced += 1
-                    continue
-                if h["tokens"] < tokens:
-                    # Older than what the learner already wrote (e.g. replayed from a client
-                    # buffer after an outage): never move a learner backwards.
-                    stale += 1
-                    continue
-                objs.append(Learner(
-                    pk=pk, tokens=h["tokens"], inner_steps=h["step"], tokens_per_s=h["tokens_per_s"],
-                    loss=h["loss"], staleness=h["staleness"], last_heartbeat=h["received"],
-                ))
-            if objs:
-                Learner.objects.bulk_update(
-                    objs, ["tokens", "inner_steps", "tokens_per_s", "loss", "staleness", "last_heartbeat"]
-                )
-            updated = [o.pk for o in objs]
-        if nodes:
-            objs = []
-            for pk in sorted(nodes):
-                n = nodes[pk]
-                tps = list(n["tps"].values())
-                objs.append(Node(pk=pk, last_seen=n["last_seen"],
-                                 measured_tokens_per_s=sum(tps) / len(tps) if tps else None))
-            with_tps = [o for o in objs if o.measured_tokens_per_s is not None]
-            without = [o for o in objs if o.measured_tokens_per_s is None]
-            if with_tps:
-                Node.objects.bulk_update(with_tps, ["last_seen", "measured_tokens_per_s"])
-            if without:
-                Node.objects.bulk_update(without, ["last_seen"])
-        if points or events:
-            # Rows of jobs/learners deleted since the message was accepted would fail the batch.
-            jobs_alive = set(Job.objects.filter(
-                pk__in={p["job"] for p in points} | {e["job"] for e in events if e["job"]}
-            ).values_list("pk", flat=True))
-            learners_alive = set(Learner.objects.filter(
-                pk__in={p["learner_pk"] for p in points if p["learner_pk"]}
-            ).values_list("pk", flat=True))
-            points = [p for p in points if p["job"] in jobs_alive
-                      and (p["learner_pk"] is None or p["learner_pk"] in learners_alive)]
-            pools_alive = set(Pool.objects.filter(
-                pk__in={e["pool_id"] for e in events if e["pool_id"]}
-            ).values_list("pk", flat=True)) if events else set()
-            events = [{**e, "pool_id": e["pool_id"] if e["pool_id"] in pools_alive else None}
-                      for e in events if e["job"] is None or e["job"] in jobs_alive]
-        if points:
-            MetricPoint.objects.bulk_create(
-                [MetricPoint(job_id=p["job"], learner_id=p["learner_pk"], name=p["name"], step=p["step"],
-                             value=p["value"], time=p["time"]) for p in points],
-                batch_size=1000,
-            )
-        if events:
-            created_events = Event.objects.bulk_create(
-                [Event(job_id=e["job"], pool_id=e["pool_id"], kind=e["kind"], message=e["message"],
-                       payload=e["payload"], time=e["time"]) for e in events],
-                batch_size=500,
-            )
+        updated, fenced, stale = _write_heartbeats(hb)
+        _write_nodes(nodes)
+        points, events = _alive(points, events)
+        created_events = _write_rows(points, events)
+    messages = _fanout(hb, nodes, points, updated, created_events)
+    return {"learners_updated": len(updated), "fenced": fenced, "stale": stale, "points": len(points),
+            "events": len(events), "messages": messages}
 
-    # Fan-out messages, read after the commit.
+
+def _write_heartbeats(hb: dict[int, dict]) -> tuple[list[int], int, int]:
+    """Learner rows from the newest heartbeats: (learners updated, fenced, stale)."""
+    from apps.jobs.models import Learner
+
+    if not hb:
+        return [], 0, 0
+    fenced = stale = 0
+    current = {
+        pk: (inc, tokens)
+        for pk, inc, tokens in Learner.objects.select_for_update()
+        .filter(pk__in=sorted(hb))
+        .order_by("pk")
+        .values_list("pk", "incarnation", "tokens")
+    }
+    objs = []
+    for pk in sorted(hb):
+        h = hb[pk]
+        inc, tokens = current.get(pk, (None, 0))
+        if inc != h["incarnation"]:
+            fenced += 1
+            continue
+        if h["tokens"] < tokens:
+            # Older than what the learner already wrote (e.g. replayed from a client
+            # buffer after an outage): never move a learner backwards.
+            stale += 1
+            continue
+        objs.append(Learner(
+            pk=pk, tokens=h["tokens"], inner_steps=h["step"], tokens_per_s=h["tokens_per_s"],
+            loss=h["loss"], staleness=h["staleness"], last_heartbeat=h["received"],
+        ))
+    if objs:
+        Learner.objects.bulk_update(
+            objs, ["tokens", "inner_steps", "tokens_per_s", "loss", "staleness", "last_heartbeat"]
+        )
+    return [o.pk for o in objs], fenced, stale
+
+
+def _write_nodes(nodes: dict[int, dict]) -> None:
+    """Nodes seen on the agent sockets: last_seen, and measured tokens/s when reported."""
+    from apps.inventory.models import Node
+
+    if not nodes:
+        return
+    objs = []
+    for pk in sorted(nodes):
+        n = nodes[pk]
+        tps = list(n["tps"].values())
+        objs.append(Node(pk=pk, last_seen=n["last_seen"],
+                         measured_tokens_per_s=sum(tps) / len(tps) if tps else None))
+    with_tps = [o for o in objs if o.measured_tokens_per_s is not None]
+    without = [o for o in objs if o.measured_tokens_per_s is None]
+    if with_tps:
+        Node.objects.bulk_update(with_tps, ["last_seen", "measured_tokens_per_s"])
+    if without:
+        Node.objects.bulk_update(without, ["last_seen"])
+
+
+def _alive(points: list[dict], events: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Leave out rows of jobs/learners deleted since the message was accepted (they would fail
+    the batch); events keep their job but lose a pool deleted meanwhile."""
+    from apps.inventory.models import Pool
+    from apps.jobs.models import Job, Learner
+
+    if not (points or events):
+        return points, events
+    jobs_alive = set(Job.objects.filter(
+        pk__in={p["job"] for p in points} | {e["job"] for e in events if e["job"]}
+    ).values_list("pk", flat=True))
+    learners_alive = set(Learner.objects.filter(
+        pk__in={p["learner_pk"] for p in points if p["learner_pk"]}
+    ).values_list("pk", flat=True))
+    points = [p for p in points if p["job"] in jobs_alive
+              and (p["learner_pk"] is None or p["learner_pk"] in learners_alive)]
+    pools_alive = set(Pool.objects.filter(
+        pk__in={e["pool_id"] for e in events if e["pool_id"]}
+    ).values_list("pk", flat=True)) if events else set()
+    events = [{**e, "pool_id": e["pool_id"] if e["pool_id"] in pools_alive else None}
+              for e in events if e["job"] is None or e["job"] in jobs_alive]
+    return points, events
+
+
+def _write_rows(points: list[dict], events: list[dict]) -> list:
+    """Metric points and events as bulk inserts; returns the events created."""
+    from apps.jobs.models import Event, MetricPoint
+
+    if points:
+        MetricPoint.objects.bulk_create(
+            [MetricPoint(job_id=p["job"], learner_id=p["learner_pk"], name=p["name"], step=p["step"],
+                         value=p["value"], time=p["time"]) for p in points],
+            batch_size=1000,
+        )
+    if not events:
+        return []
+    return Event.objects.bulk_create(
+        [Event(job_id=e["job"], pool_id=e["pool_id"], kind=e["kind"], message=e["message"],
+               payload=e["payload"], time=e["time"]) for e in events],
+        batch_size=500,
+    )
+
+
+def _fanout(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], updated: list[int],
+            created_events: list) -> list[tuple[str, dict]]:
+    """The dashboard messages of a flush, read after its commit: (group, message) pairs."""
+    from apps.inventory.models import Node, Pool
+    from apps.jobs.models import Job, Learner
+
     messages: list[tuple[str, dict]] = []
     jobs: set[int] = set()
     by_job: dict[int, list[dict]] = defaultdict(list)
@@ -290,8 +328,7 @@ def _write(hb: dict[int, dict], nodes: dict[int, dict], points: list[dict], even
     if nodes:
         for row in Node.objects.filter(pk__in=list(nodes)).values(*publish.NODE_FIELDS):
             messages.append((publish.FLEET_GROUP, publish.node_message(row)))
-    return {"learners_updated": len(updated), "fenced": fenced, "stale": stale, "points": len(points),
-            "events": len(events), "messages": messages}
+    return messages
 
 
 _writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

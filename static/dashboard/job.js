@@ -2,6 +2,7 @@
 // from /ws/jobs/<id>/; learner grid, timeline and status follow the same socket.
 import uPlot from "../vendor/uplot/uPlot.esm.js";
 import { connectLive, fmtBytes, fmtSI, setBadge, toDate } from "./live.js";
+import { markersPlugin, renderLegend, tokensAtTime } from "./markers.js";
 
 const JOB = document.getElementById("job-script").dataset.job;
 const SUMMED = new Set(["tokens_per_s", "bytes_sent"]);
@@ -102,6 +103,11 @@ function join(names, xKey) {
 
 const charts = [];
 
+// Incidents, learner moves and checkpoints (apps/dashboard/markers.py), drawn on every chart;
+// fetched after the first paint (/jobs/<id>/markers.json), so the page's queries stay bounded.
+let markers = [];
+const markerTokens = (t) => tokensAtTime(series.train_loss || series.val_loss, t);
+
 function makeChart(elId, names, xKey, opts = {}) {
   const el = document.getElementById(elId);
   const seriesOpts = [{ label: xKey === "time" ? "time" : "tokens", value: xKey === "time" ? undefined : (u, v) => fmtSI(v) }];
@@ -128,6 +134,9 @@ function makeChart(elId, names, xKey, opts = {}) {
       return [c - pad, c + pad];
     }
     if (xs[0] === xs[xs.length - 1]) return [xs[0] - pad, xs[0] + pad];
+    if (xKey === "time" && markers.length) {  // a marker after the newest point stays in view
+      return [min, Math.max(max, ...markers.map((m) => m.time))];
+    }
     return [min, max];
   };
   const u = new uPlot({
@@ -135,6 +144,7 @@ function makeChart(elId, names, xKey, opts = {}) {
     scales: { x: { time: xKey === "time", range: xRange } },
     legend: { live: true },
     cursor: { drag: { x: true, y: false } },
+    plugins: [markersPlugin(() => markers, xKey === "time" ? (t) => t : markerTokens)],
   }, join(names, xKey), el);
   const empty = document.createElement("div");
   empty.className = "nodata";
@@ -165,6 +175,7 @@ function redraw() {
       c.el.dataset.points = String(c.names.reduce((a, n) => a + (series[n] ? series[n].value.length : 0), 0));
     }
     document.getElementById("live-points").textContent = String(livePoints);
+    renderLegend(document.getElementById("marker-legend"), markers);
     const tps = series.tokens_per_s;  // the learners' heartbeats, when known, give the KPI
     if (tps && tps.value.length && !Object.keys(learnerRate).length) {
       document.getElementById("kpi-tokens-per-s").textContent = fmtSI(tps.value.at(-1));
@@ -264,8 +275,39 @@ async function refreshCheckpoints() {
   if (tbody) tbody.innerHTML = await resp.text();
 }
 
+// A live event that is a marker shows at once; the server's list (with incidents' heal
+// times) replaces it a moment later, and is polled while an incident is open.
+const MARKER_EVENTS = { failed: "incident", reassigned: "move", rebalanced: "move", drained: "move",
+  checkpointed: "checkpoint" };
+let markerFetch = null;
+async function refetchMarkers() {
+  const resp = await fetch(`/jobs/${JOB}/markers.json`, { headers: { Accept: "application/json" } });
+  if (!resp.ok) return;
+  markers = (await resp.json()).markers || [];
+  for (const c of charts) c.u.redraw(false, true);
+  redraw();
+}
+function scheduleMarkers(delay) {
+  if (markerFetch) return;
+  markerFetch = setTimeout(() => { markerFetch = null; refetchMarkers().catch(() => {}); }, delay);
+}
+setInterval(() => {
+  if (markers.some((m) => m.open) && document.visibilityState === "visible") scheduleMarkers(0);
+}, 5000);
+
+function onMarkerEvent(msg) {
+  const kind = MARKER_EVENTS[msg.kind];
+  if (!kind || (msg.kind === "rebalanced" && !(msg.payload && msg.payload.to))) return;
+  const time = typeof msg.time === "number" ? msg.time : ((toDate(msg.time) || new Date()).getTime() / 1000);
+  markers.push({ kind, time, end: null, open: kind === "incident", text: msg.message || kind, id: `live-${time}` });
+  for (const c of charts) c.u.redraw(false, true);
+  redraw();
+  scheduleMarkers(1500);
+}
+
 function onEvent(msg) {
   if (msg.kind === "checkpointed") setTimeout(() => { refreshCheckpoints().catch(() => {}); }, 500);
+  onMarkerEvent(msg);
   const ul = document.getElementById("timeline");
   ul.querySelector("li.empty")?.remove();
   const li = document.createElement("li");
@@ -335,6 +377,8 @@ async function refetch() {
   if (!resp.ok) return;
   load(await resp.json());
   redraw();
+  scheduleMarkers(0);
 }
 
+scheduleMarkers(0);
 connectLive(`/ws/jobs/${JOB}/`, onMessage, { onReconnect: () => { refetch().catch(() => {}); } });

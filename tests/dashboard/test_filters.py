@@ -17,7 +17,8 @@ def test_progress_from_spec():
     spec = {"learners": 2, "steps": 10, "batch_size": 4, "seq_len": 8}  # 640 tokens
     assert progress(SimpleNamespace(spec=spec, tokens_computed=320)) == 0.5
     assert progress(SimpleNamespace(spec={**spec, "max_tokens": 100}, tokens_computed=320)) == 1.0
-    assert progress(SimpleNamespace(spec={"name": "x"}, tokens_computed=5)) is None
+    assert progress(SimpleNamespace(spec={"name": "x"}, tokens_computed=5)) == 5 / (4 * 400 * 16 * 64)
+    assert progress(SimpleNamespace(spec={"learners": 0}, tokens_computed=5)) is None
     assert progress(SimpleNamespace(spec={**spec, "steps": "bad"}, tokens_computed=5)) is None
 
 

@@ -95,13 +95,6 @@ def test_job_waiting_for_capacity_stays_queued(owner, pools):
     assert "capacity" in waiting.status_reason
 
 
-def test_dry_run_and_coordinator_share_one_memory_model(pools):
-    from apps.api.placement import model_figures as dry_run_figures
-
-    for spec in (JobSpec(), JobSpec(model="small", batch_size=64, seq_len=512, fragments=4)):
-        assert dry_run_figures(spec) == coordinator_figures(spec)
-
-
 def test_learner_start_failures_back_off_then_fail_the_job(owner, pools, settings):
     settings.LEARNER_START_ATTEMPTS = 3
     job = Job.objects.create(owner=owner, name="j", spec={**TINY}, status=st.RUNNING)

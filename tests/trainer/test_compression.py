@@ -125,3 +125,55 @@ def test_malformed_blobs_are_rejected():
 def test_unknown_method_refused():
     with pytest.raises(ValueError, match="unknown compression"):
         encode({"w": torch.randn(3)}, "int2")
+
+
+def test_checksum_is_xxh3_and_payloads_with_the_older_blake2b_checksum_still_decode():
+    import json
+
+    from safetensors.torch import load, save
+
+    from trainer.compression import _digest, checksum_matches, tensor_checksum
+
+    t = {"w": torch.randn(50), "v": torch.randn(3, 4)}
+    blob = encode(t, "none")
+    assert tensor_checksum(t).startswith("xxh3:")
+    header = json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])
+    md = header["__metadata__"]
+    assert md["wire_checksum"].startswith("xxh3:")
+    entries = load(blob)
+    import hashlib
+
+    md["wire_checksum"] = _digest(entries, hashlib.blake2b(digest_size=16))  # how it was written before
+    old = save(entries, metadata=md)
+    back = decode(old)
+    assert all(torch.equal(back[n], t[n]) for n in t)
+    assert checksum_matches(entries, md["wire_checksum"]) and not checksum_matches(entries, "0" * 32)
+    md["wire_checksum"] = "0" * 32
+    with pytest.raises(InvalidPayload, match="checksum"):
+        decode(save(entries, metadata=md))
+
+
+def test_huge_finite_values_whose_norm_overflows_are_not_called_nonfinite():
+    from trainer.compression import nonfinite_index
+
+    huge = torch.full((64,), 3.0e38)
+    assert not torch.isfinite(torch.linalg.vector_norm(huge))  # the fused check overflows...
+    back = decode(encode({"w": huge}, "none"))  # ...and is confirmed element-wise
+    assert torch.equal(back["w"], huge)
+    bad = huge.clone()
+    bad[5] = float("inf")
+    assert nonfinite_index([torch.ones(3), huge, bad, torch.tensor([float("nan")])]) == 2
+    assert nonfinite_index([torch.zeros(0), torch.ones(2)]) is None
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantizing_in_chunks_gives_the_same_entries(method, monkeypatch):
+    from safetensors.torch import load
+
+    import trainer.compression as compression
+
+    t = {"w": torch.randn(1000) * 3, "v": torch.randn(33), "z": torch.zeros(64)}
+    whole = load(encode(t, method))  # (safetensors writes the metadata in no fixed order)
+    monkeypatch.setattr(compression, "_QUANT_CHUNK", 3)  # blocks 3 at a time, ragged last chunk
+    chunked = load(encode(t, method))
+    assert set(chunked) == set(whole) and all(torch.equal(chunked[k], whole[k]) for k in whole)

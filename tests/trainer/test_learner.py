@@ -254,3 +254,51 @@ def test_inner_prox_pulls_each_step_towards_the_adopted_global(learner):
     ref.step()
     for n, x in alone.params.items():
         assert torch.equal(x, ref.params[n])
+
+
+def test_a_contribution_still_held_keeps_its_values_while_later_ones_go_out(learner):
+    """The payload buffer of a fragment is reused only once the contribution that carried it is
+    gone; one still held (queued for the writer, pending in a syncer) is never overwritten."""
+    lrn = learner(inner_steps=1, steps=10)
+    lrn.step()
+    (held,) = lrn.due_contributions()
+    kept = {n: t.clone() for n, t in held.tensors.items()}
+    for version in (1, 2):
+        lrn.adopt(GlobalFragment("local", 0, version, {n: t.clone() for n, t in lrn.base[0].items()}))
+        lrn.step()
+        (c,) = lrn.due_contributions()
+        assert not any(c.tensors[n].data_ptr() == held.tensors[n].data_ptr() for n in kept)
+        del c
+    assert all(torch.equal(held.tensors[n], kept[n]) for n in kept)
+    # once nothing holds the contribution, the next one reuses its buffer: no allocation per send
+    lrn.adopt(GlobalFragment("local", 0, 3, {n: t.clone() for n, t in lrn.base[0].items()}))
+    lrn.step()
+    (a,) = lrn.due_contributions()
+    ptrs = {n: t.data_ptr() for n, t in a.tensors.items()}
+    a.wait()
+    del a
+    lrn.adopt(GlobalFragment("local", 0, 4, {n: t.clone() for n, t in lrn.base[0].items()}))
+    lrn.step()
+    (b,) = lrn.due_contributions()
+    assert {n: t.data_ptr() for n, t in b.tensors.items()} == ptrs
+    for n in lrn.fragments[0]:
+        torch.testing.assert_close(b.tensors[n], lrn.base[0][n] - lrn.params[n].detach(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copy path needs CUDA")
+def test_cuda_contribution_is_copied_on_a_side_stream_and_waited_for(learner):
+    """On CUDA the delta goes to pinned host memory on a side stream; the contribution carries
+    the copy's event, and `wait()` (called by to_bytes and Syncer.submit) gives the exact delta."""
+    lrn = learner(inner_steps=1, steps=10, device="cuda")
+    lrn.step()
+    (c,) = lrn.due_contributions()
+    assert c.ready is not None and all(t.is_pinned() for t in c.tensors.values())
+    want = {n: (lrn.base[0][n] - lrn._sent[0][n]).cpu() for n in lrn.fragments[0]}
+    lrn.step()  # training goes on while the copy may be in flight
+    c.wait()
+    assert c.ready is None and c.checksum
+    assert all(torch.equal(c.tensors[n], want[n]) for n in want)
+    from trainer.protocol import Contribution
+
+    back = Contribution.from_bytes(c.to_bytes())
+    assert back.checksum == c.checksum

@@ -408,3 +408,51 @@ def test_update_history_chains_a_learner_several_versions_behind():
     restored.load_state_dict(old)
     assert restored.global_update(0) == syncer.global_update(0)
     assert restored.global_updates(0, current - 2) is None
+
+
+def test_huge_finite_contribution_is_accepted_and_a_nan_deep_inside_is_not():
+    cfg = _config(quorum=1)
+    syncer = Syncer(cfg, _initial(), ManualClock())
+    huge = {n: torch.full(s, 3.0e38) for n, s in SHAPES.items()}  # its norm overflows fp32
+    assert syncer.submit(_contrib(0, tensors=huge)).accepted
+    bad = _delta(1)
+    bad["a.weight"][3, 2] = float("nan")
+    r = syncer.submit(_contrib(1, tensors=bad))
+    assert not r.accepted and r.reason == "nonfinite: a.weight holds NaN or Inf"
+
+
+def test_merge_result_keeps_the_version_it_names_after_later_merges():
+    """The result's global fragment is copied when read, or by the syncer before the fragment
+    changes again: read after two more merges it still holds the version it names."""
+    cfg = _config(quorum=1)
+    syncer = Syncer(cfg, _initial(), ManualClock())
+    syncer.submit(_contrib(0))
+    first = syncer.merge(0)
+    at_v1 = {n: t.clone() for n, t in syncer.params.items()}
+    for v in (1, 2):
+        syncer.submit(_contrib(0, base_version=v))
+        syncer.merge(0)
+    g = first.global_fragment
+    assert first.version == g.version == 1 and syncer.versions[0] == 3
+    assert all(torch.equal(g.tensors[n], at_v1[n]) for n in SHAPES)
+    assert not any(torch.equal(g.tensors[n], syncer.params[n]) for n in SHAPES)
+    assert first.global_fragment is g  # taken once
+
+
+def test_merge_health_matches_the_plain_computation():
+    cfg = _config(learners=3, quorum=3, rda=True)
+    syncer = Syncer(cfg, _initial(), ManualClock())
+    deltas = [_delta(i) for i in range(3)]
+    for i, d in enumerate(deltas):
+        assert syncer.submit(_contrib(i, tokens=100 * (i + 1), tensors=d)).accepted
+    before = {n: t.clone() for n, t in syncer.params.items()}
+    res = syncer.merge(0)
+    # the outer step at momentum's first use is x -= lr * (g + mu g): recover the merged g
+    merged = {n: (before[n] - syncer.params[n]) / (0.7 * 1.9) for n in SHAPES}
+    flat_m = torch.cat([merged[n].reshape(-1) for n in SHAPES])
+    assert res.merged_norm == pytest.approx(float(flat_m.norm()), rel=1e-4)
+    for c, d in zip(res.contributors, deltas, strict=True):
+        flat_d = torch.cat([d[n].reshape(-1) for n in SHAPES])
+        assert c["norm"] == pytest.approx(float(flat_d.norm()), rel=1e-6)
+        want = float(torch.nn.functional.cosine_similarity(flat_d, flat_m, dim=0))
+        assert c["cosine"] == pytest.approx(want, abs=1e-4)

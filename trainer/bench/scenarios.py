@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, default_quorum
 from trainer.placement import place, pool_from_catalogue
 from trainer.sim.failures import (
     YEAR_S,
@@ -64,7 +64,7 @@ def _train(steps: int, learners: int, **kw) -> TrainConfig:
         "eval_batch_size": 32,
         "inner_steps": 24,
         "fragments": 4,
-        "quorum": max(1, learners // 2),
+        "quorum": default_quorum(learners),
         "max_staleness": 4,
         "compression": "int4",
         "seed": 0,

@@ -23,8 +23,9 @@ class CodecError(ValueError):
 
 
 def pack(obj: Any, extra_metadata: dict[str, str] | None = None, copy: bool = True) -> bytes:
-    """`copy=False` when the tensors of `obj` are private copies already (saves a clone)."""
-    tensors, meta = encode(obj, extra_metadata, copy=copy)
+    """Bytes of `obj`. safetensors writes each tensor's memory straight into the result, so no
+    tensor is cloned first (`copy` is kept for callers; nothing is serialised later here)."""
+    tensors, meta = encode(obj, extra_metadata, copy=False)
     return save(tensors, meta)
 
 
@@ -36,12 +37,16 @@ def encode(obj: Any, extra_metadata: dict[str, str] | None = None,
            copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """Copy every tensor out of `obj` (safe to serialise later, elsewhere) and describe the rest."""
     tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
 
     def enc(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
             name = f"t{len(tensors)}"
             t = o.detach().to("cpu").contiguous()
-            tensors[name] = t.clone() if copy else t
+            # safetensors refuses tensors that share memory: views of a larger buffer and repeats
+            shared = t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.data_ptr() in seen
+            tensors[name] = t.clone() if copy or (shared and t.numel()) else t
+            seen.add(t.data_ptr())
             return {"__t__": name}
         if isinstance(o, np.ndarray):
             name = f"t{len(tensors)}"

@@ -383,14 +383,79 @@ class LearnerLoop:
             close()
 
     # ------------------------------------------------------------------ main loop
+    def _take_control(self) -> Control | None:
+        """The newest control message: from the heartbeat thread, else pushed by the host."""
+        ctl, self._ctl = self._ctl, None
+        pushed = getattr(self.host, "take_control", None)
+        if ctl is None and pushed is not None:
+            ctl = pushed()
+        return ctl
+
+    def _should_stop(self, result: LoopResult, max_seconds: float | None) -> bool:
+        """Apply control and end conditions before the next step; True ends the loop."""
+        if self._fenced:
+            raise Fenced(self._fenced)
+        ctl = self._take_control()
+        if ctl is not None:
+            if ctl.work_size:
+                self.learner.set_work_size(int(ctl.work_size))
+            if ctl.stop or ctl.handoff:
+                self.checkpoint()
+                result.outcome = "handoff" if ctl.handoff else "stopped"
+                result.reason = ctl.reason
+                return True
+        now = self.clock()
+        if getattr(self.learner, "done", False):
+            result.active_seconds = now - self._t_start
+            self.finish()
+            result.outcome = "done"
+            return True
+        if max_seconds is not None and now - self._t_start > max_seconds:
+            result.outcome = "stopped"
+            result.reason = "time limit"
+            return True
+        return False
+
+    def tick(self) -> None:
+        """One inner step, then what falls due after it: contributions, checkpoint, globals, stats."""
+        t0 = self.clock()
+        res = self.learner.step()
+        t1 = self.clock()
+        self._train_s += t1 - t0
+        self._steps += 1
+        self._last_progress = t1
+        self.last_loss = float(res.loss)
+        if self.speed_factor < 1.0:
+            time.sleep((t1 - t0) * (1.0 / self.speed_factor - 1.0))
+        if self.push_due() and self.clock() - self._last_ckpt >= self.checkpoint_interval:
+            # a checkpoint right behind the contributions (same FIFO): a successor resumes
+            # exactly after what this incarnation contributed
+            self.checkpoint()
+            self._last_ckpt = self.clock()
+        if self.clock() >= self._next_poll:
+            self.poll_globals()
+            self._next_poll = self.clock() + self.poll_interval
+        if t1 - self._last_stats >= self.heartbeat_interval / 2:
+            self._latest_stats = self._stats(self._steps)
+            self._last_stats = t1
+
+    def _drop_queued(self) -> None:
+        """A zombie writes nothing more: drop whatever is still queued."""
+        while not self.writer.q.empty():
+            try:
+                self.writer.q.get_nowait()
+                self.writer.q.task_done()
+            except Exception:
+                break
+
     def run(self, max_seconds: float | None = None) -> LoopResult:
         import threading
 
-        t_start = self.clock()
-        next_poll = t_start + self.poll_interval
-        last_ckpt = t_start
-        steps = 0
-        train_s = 0.0
+        t_start = self._t_start = self.clock()
+        self._next_poll = t_start + self.poll_interval
+        self._last_ckpt = t_start
+        self._last_stats = t_start
+        self._steps = 0
         self._train_s = 0.0
         self._tok_window = [(t_start, int(self.learner.tokens), 0.0)]
         self._latest_stats = self._stats(0)
@@ -401,81 +466,30 @@ class LearnerLoop:
         self._beat_stop = threading.Event()
         beat = threading.Thread(target=self._beat_loop, name=f"heartbeat-{self.index}", daemon=True)
         beat.start()
-        last_stats = t_start
         result = LoopResult(outcome="done")
         try:
-            while True:
-                if self._fenced:
-                    raise Fenced(self._fenced)
-                ctl, self._ctl = self._ctl, None
-                pushed = getattr(self.host, "take_control", None)
-                if ctl is None and pushed is not None:
-                    ctl = pushed()
-                if ctl is not None:
-                    if ctl.work_size:
-                        self.learner.set_work_size(int(ctl.work_size))
-                    if ctl.stop or ctl.handoff:
-                        self.checkpoint()
-                        result.outcome = "handoff" if ctl.handoff else "stopped"
-                        result.reason = ctl.reason
-                        break
-                now = self.clock()
-                if getattr(self.learner, "done", False):
-                    result.active_seconds = now - t_start
-                    self.finish()
-                    result.outcome = "done"
-                    break
-                if max_seconds is not None and now - t_start > max_seconds:
-                    result.outcome = "stopped"
-                    result.reason = "time limit"
-                    break
-                t0 = self.clock()
-                res = self.learner.step()
-                t1 = self.clock()
-                train_s += t1 - t0
-                self._train_s = train_s
-                steps += 1
-                self._last_progress = t1
-                self.last_loss = float(res.loss)
-                if self.speed_factor < 1.0:
-                    time.sleep((t1 - t0) * (1.0 / self.speed_factor - 1.0))
-                if self.push_due() and self.clock() - last_ckpt >= self.checkpoint_interval:
-                    # a checkpoint right behind the contributions (same FIFO): a successor resumes
-                    # exactly after what this incarnation contributed
-                    self.checkpoint()
-                    last_ckpt = self.clock()
-                if self.clock() >= next_poll:
-                    self.poll_globals()
-                    next_poll = self.clock() + self.poll_interval
-                if t1 - last_stats >= self.heartbeat_interval / 2:
-                    self._latest_stats = self._stats(steps)
-                    last_stats = t1
+            while not self._should_stop(result, max_seconds):
+                self.tick()
         except Fenced as exc:
             result.outcome = "fenced"
             result.reason = str(exc)
-            # a zombie writes nothing more: drop whatever is still queued
-            while not self.writer.q.empty():
-                try:
-                    self.writer.q.get_nowait()
-                    self.writer.q.task_done()
-                except Exception:
-                    break
+            self._drop_queued()
         finally:
             self._beat_stop.set()
         if result.outcome != "fenced":
             # last word: final counters (the host marks the learner's end state itself)
-            self._latest_stats = self._stats(steps)
+            self._latest_stats = self._stats(self._steps)
             beat.join(timeout=10)
             self._beat_once()
         else:
             beat.join(timeout=10)
         self.writer.close(timeout=60)
-        result.steps = steps
+        result.steps = self._steps
         result.tokens = int(self.learner.tokens)
         result.contributions = self.contributions
         result.bytes_sent = self.bytes_sent
         result.bytes_received = self.bytes_received
         result.updates_received = self.updates_received
         result.seconds = self.clock() - t_start
-        result.train_seconds = train_s
+        result.train_seconds = self._train_s
         return result

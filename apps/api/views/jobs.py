@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from django.db.models import Q, Sum
+from django.db.models import Count, OuterRef, Q, Subquery, Sum
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
@@ -32,8 +32,22 @@ ERRORS = {
 
 
 def visible_jobs(user):
-    qs = Job.objects.select_related("owner").annotate(learner_tokens=Sum("learners__tokens"))
+    """Jobs `user` may see, with the learners' live token count.
+
+    The count is a correlated subquery, not a join + GROUP BY: the list's COUNT(*) then needs no
+    aggregation and `ORDER BY created_at DESC LIMIT n` can walk the (owner, created_at) index
+    instead of aggregating every job of the owner first (issue 19's profile).
+    """
+    tokens = (Learner.objects.filter(job=OuterRef("pk")).order_by().values("job")
+              .annotate(n=Sum("tokens")).values("n"))
+    qs = Job.objects.select_related("owner").annotate(learner_tokens=Subquery(tokens))
     return access.visible_jobs(user, qs)
+
+
+def with_learner_counts(qs):
+    """Annotate `learners_<state>` counts (the detail's learner_counts) in the job's own query."""
+    return qs.annotate(**{f"learners_{state}": Count("learners", filter=Q(learners__state=state))
+                          for state in Learner.State.values})
 
 
 def _spec_error(exc: SpecError) -> SpecError:
@@ -59,7 +73,8 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
     lookup_value_regex = r"[0-9]+"
 
     def get_queryset(self):
-        return visible_jobs(self.request.user)
+        qs = visible_jobs(self.request.user)
+        return with_learner_counts(qs) if self.action == "retrieve" else qs
 
     def get_serializer_class(self):
         if self.action == "retrieve":

@@ -6,6 +6,8 @@ import math
 from django import template
 from django.utils.html import format_html
 
+from trainer.spec import stored_spec
+
 register = template.Library()
 
 
@@ -106,17 +108,9 @@ def kwh(joules) -> str:
 
 @register.filter
 def budget(job) -> int | None:
-    """The job's token budget from its spec (learners x steps x batch x sequence, capped by
-    max_tokens), or None."""
-    spec = job.spec if isinstance(job.spec, dict) else {}
-    try:
-        budget = int(spec.get("learners", 0)) * int(spec.get("steps", 0)) * int(spec.get("batch_size", 0)) \
-            * int(spec.get("seq_len", 0))
-        if spec.get("max_tokens"):
-            budget = min(budget, int(spec["max_tokens"])) if budget else int(spec["max_tokens"])
-    except (TypeError, ValueError):
-        return None
-    return budget if budget > 0 else None
+    """The job's token budget (JobSpec.total_tokens), or None when its spec no longer validates."""
+    spec = stored_spec(job.spec)
+    return spec.total_tokens if spec else None
 
 
 @register.filter

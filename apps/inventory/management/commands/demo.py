@@ -5,14 +5,20 @@
    "generations" on this CPU told apart by their speed_factor),
 3. creates the admin user (password from DEMO_ADMIN_PASSWORD, else generated and kept in
    var/demo-admin-password) and issues a fresh worker token per demo pool,
-4. starts web (daphne), one Celery worker per demo pool, the coordinator worker and beat
-   as child processes with prefixed output,
-5. waits for /healthz, submits the demo job (examples/job.yaml, else the JobSpec defaults),
-   prints the dashboard URL and the admin login, and runs until Ctrl-C, which stops every
-   child process cleanly.
+4. starts web (gunicorn + uvicorn workers), one Celery worker per demo pool, the coordinator
+   worker and beat as child processes with prefixed output (the command lines of
+   diloco_platform.processes, as in the Procfile and the test Stack),
+5. waits for /healthz, submits the demo job (examples/job.yaml with its budget of inner steps
+   sized from a quick measurement of this machine so it trains for about --minutes, 5 by
+   default), then a second job that waits in the queue behind it (the fleet has no room for
+   both), prints what to look at, and runs until Ctrl-C, which stops every child process cleanly.
 
 --chaos kills one pool worker (SIGKILL, the whole process group: like a host dying) after
---chaos-after seconds and starts it again --chaos-restart seconds later.
+--chaos-after seconds and starts it again --chaos-restart seconds later; by default the worker
+of a pool that runs a learner of the demo job, so an incident opens, the learner moves and
+the incident heals on the job page. Staff also get a "Kill a worker (demo)" button on the job
+page (DILOCO_DEMO_CHAOS=1, set for the demo's processes only; apps/dashboard/demo_chaos.py):
+the web server leaves a request in VAR_DIR that this supervisor carries out the same way.
 --seed-only does steps 1-3 and exits (no processes).
 """
 
@@ -41,6 +47,7 @@ from django.db import connection, connections
 
 from apps.inventory.inventory_file import apply, load
 from apps.inventory.models import Node, Pool, PoolToken
+from diloco_platform import processes
 
 FLEET_FILE = Path(__file__).resolve().parents[2] / "demo_fleet.yaml"
 COLOURS = ["36", "33", "32", "35", "34", "31", "96", "93"]
@@ -62,16 +69,6 @@ class Child:
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """Linux: the child gets SIGTERM if the demo process dies without cleaning up."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class Supervisor:
@@ -99,18 +96,14 @@ class Supervisor:
         self.children[name] = child
         return child
 
+    def add_spec(self, spec: processes.ProcessSpec, env: dict[str, str]) -> Child:
+        """Add one process of diloco_platform.processes, with `env` plus its own variables."""
+        return self.add(spec.name, list(spec.argv), {**env, **spec.env})
+
     def start(self, child: Child) -> None:
         child.expected_down = False
-        child.popen = subprocess.Popen(
-            child.argv,
-            cwd=settings.BASE_DIR,
-            env=child.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
-        )
+        child.popen = processes.spawn(processes.ProcessSpec(child.name, tuple(child.argv)), child.env,
+                                      stdout=subprocess.PIPE, cwd=settings.BASE_DIR, die_with_parent=True)
         self.say(
             child.name, f"started (pid {child.popen.pid}): {' '.join(child.argv[1:6])} ...", child.colour
         )
@@ -204,9 +197,12 @@ class Command(BaseCommand):
             action="store_true",
             help="kill one pool worker mid-run (SIGKILL) and start it again later",
         )
-        parser.add_argument("--chaos-pool", default="cpu-mid", help="pool whose worker --chaos kills")
+        parser.add_argument("--chaos-pool", default="auto",
+                            help="pool whose worker --chaos kills (auto: one running the demo job)")
         parser.add_argument("--chaos-after", type=float, default=45.0, help="seconds before the kill")
         parser.add_argument("--chaos-restart", type=float, default=20.0, help="seconds until the restart")
+        parser.add_argument("--minutes", type=float, default=5.0,
+                            help="how long the demo job should train (sizes its budget; default 5)")
         parser.add_argument(
             "--seed-only",
             action="store_true",
@@ -293,72 +289,20 @@ class Command(BaseCommand):
             "DJANGO_SETTINGS_MODULE": "diloco_platform.settings",
             "DILOCO_WEB_URL": f"http://127.0.0.1:{port}",
             "OMP_NUM_THREADS": "1",
+            "DILOCO_DEMO_CHAOS": "1",  # the job page's "Kill a worker (demo)" button (staff only)
         }
         base.pop("DILOCO_POOL", None)
         base.pop("DILOCO_POOL_TOKEN", None)
         sup = Supervisor(self.stdout._out, colour=self.stdout.isatty())
-        celery = [py, "-m", "celery", "-A", "diloco_platform"]
-        redis_only = ["--disable-prefetch"] if settings.REDIS_URL else []  # a Redis transport option
-        web = sup.add(
-            "web",
-            [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "diloco_platform.asgi:application"],
-            base,
-        )
-        sup.add(
-            "coordinator",
-            [
-                *celery,
-                "worker",
-                "-Q",
-                "coordinator",
-                "-n",
-                "coordinator@%h",
-                "-P",
-                "threads",
-                "--concurrency",
-                "8",
-                "--prefetch-multiplier",
-                "1",
-                "-l",
-                "INFO",
-            ],
-            base,
-        )
+        # The command lines of diloco_platform.processes (as the Procfile and the test Stack).
+        web = sup.add_spec(processes.web(port, python=py), base)
+        sup.add_spec(processes.coordinator(python=py), base)
+        redis = bool(settings.REDIS_URL)  # --disable-prefetch is a Redis transport option
         for pool in Pool.objects.filter(slug__in=tokens).order_by("-speed_factor"):
-            sup.add(
-                pool.slug,
-                [
-                    *celery,
-                    "worker",
-                    "-Q",
-                    pool.queue,
-                    "-n",
-                    f"{pool.slug}@%h",
-                    "--concurrency",
-                    str(max(1, pool.device_count)),
-                    "--prefetch-multiplier",
-                    "1",
-                    *redis_only,
-                    "-O",
-                    "fair",
-                    "-l",
-                    "INFO",
-                ],
-                {**base, "DILOCO_POOL": pool.slug, "DILOCO_POOL_TOKEN": tokens[pool.slug]},
-            )
-        sup.add(
-            "beat",
-            [
-                *celery,
-                "beat",
-                "-l",
-                "INFO",
-                "--pidfile=",
-                "-s",
-                str(Path(settings.VAR_DIR) / "celerybeat-schedule"),
-            ],
-            base,
-        )
+            sup.add_spec(processes.pool_worker(pool.slug, pool.device_count, token=tokens[pool.slug],
+                                               redis=redis, python=py), base)
+        sup.add_spec(processes.beat(schedule=str(Path(settings.VAR_DIR) / "celerybeat-schedule"),
+                                    python=py), base)
         connections.close_all()
 
         interrupted = threading.Event()
@@ -377,7 +321,7 @@ class Command(BaseCommand):
             self._banner(port, username, password)
             self._wait_nodes(sup, tokens, interrupted)
             if not opts["no_job"]:
-                self._submit_job(username, opts["job_file"], sup)
+                self._submit_jobs(username, opts, sup)
             code = self._watch(sup, interrupted, opts)
         finally:
             sup.say("demo", "stopping all processes ...")
@@ -429,64 +373,169 @@ class Command(BaseCommand):
             )
         connections.close_all()
 
-    def _submit_job(self, username: str, job_file: str | None, sup: Supervisor) -> None:
+    # ------------------------------------------------------------------ the demo's jobs
+    def _load_spec(self, job_file: str | None) -> tuple[dict, str]:
         import yaml
-
-        from apps.jobs.services import submit_job
-        from apps.jobs.spec import SpecError
 
         path = Path(job_file) if job_file else Path(settings.BASE_DIR) / "examples" / "job.yaml"
         if path.is_file():
             spec = yaml.safe_load(path.read_text())
             if isinstance(spec, dict) and isinstance(spec.get("spec"), dict):
                 spec = spec["spec"]
-            origin = str(path)
-        elif job_file:
+            return spec, str(path)
+        if job_file:
             raise CommandError(f"{job_file}: no such file")
-        else:
-            from trainer.spec import JobSpec
+        from trainer.spec import JobSpec
 
-            spec, origin = JobSpec().model_dump(mode="json"), "the JobSpec defaults"
+        return JobSpec().model_dump(mode="json"), "the JobSpec defaults"
+
+    def _submit(self, username: str, spec: dict, origin: str, sup: Supervisor):
+        from apps.jobs.services import submit_job
+        from apps.jobs.spec import SpecError
+
         admin = get_user_model().objects.get(username=username)
         try:
             job, _ = submit_job(admin, spec)
         except SpecError as exc:
             sup.say("demo", f"demo job from {origin} is invalid: {exc}")
-            return
+            return None
         except Exception as exc:  # the runtime may be missing pieces: keep the platform up
             sup.say("demo", f"could not submit the demo job: {type(exc).__name__}: {exc}")
-            return
+            return None
         finally:
             connections.close_all()
-        sup.say(
-            "demo",
-            f"submitted job #{job.pk} {job.name!r} from {origin}: "
-            f"http://127.0.0.1:{self.port}/jobs/{job.pk}/",
-        )
+        sup.say("demo", f"submitted job #{job.pk} {job.name!r} from {origin}: "
+                        f"http://127.0.0.1:{self.port}/jobs/{job.pk}/")
+        return job
+
+    def _submit_jobs(self, username: str, opts, sup: Supervisor) -> None:
+        """The long demo job, then (once it is placed) a second one that has to queue behind it."""
+        from apps.inventory.demo_budget import sized_for
+
+        self.demo_job = None
+        spec, origin = self._load_spec(opts["job_file"])
+        if not isinstance(spec, dict):
+            sup.say("demo", f"{origin} is not a mapping of job fields; no demo job")
+            return
+        second = dict(spec)
+        if not opts["job_file"] and opts["minutes"] > 0:
+            spec, note = sized_for(spec, opts["minutes"], self._slot_speeds())
+            sup.say("demo", note)
+        job = self._submit(username, spec, origin, sup)
+        if job is None:
+            return
+        self.demo_job = job.pk
+        placed = self._wait_placed(job.pk, timeout=60)
+        if opts["job_file"]:
+            self._guide(job, None, opts)
+            return
+        # one learner more than the fleet has free next to the demo job: it waits in the queue
+        total = sum(int(p.device_count) for p in Pool.objects.filter(state=Pool.State.ACTIVE))
+        free = total - int(spec.get("learners") or 1)
+        second.update(name=f"queued behind job {job.pk}", learners=max(2, free + 1),
+                      quorum=min(int(second.get("quorum") or 2), max(2, free + 1)))
+        queued = self._submit(username, second, "examples/job.yaml", sup) if placed else None
+        connections.close_all()
+        self._guide(job, queued, opts)
+
+    def _slot_speeds(self) -> list[float]:
+        """Speed factor of every learner slot of the active demo pools, fastest first."""
+        rows = Pool.objects.filter(state=Pool.State.ACTIVE).values_list("speed_factor", "device_count")
+        return sorted((float(f) for f, n in rows for _ in range(int(n))), reverse=True)
+
+    def _wait_placed(self, job_id: int, timeout: float) -> bool:
+        from apps.jobs.models import Job
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
+            connections.close_all()
+            if status in ("running", "completed"):
+                return True
+            if status in ("failed", "cancelled", None):
+                return False
+            time.sleep(0.5)
+        return False
+
+    def _guide(self, job, queued, opts) -> None:
+        """What a newcomer should look at, and when."""
+        url = f"http://127.0.0.1:{self.port}"
+        lines = [
+            "What to look at (log in as the admin above):",
+            f"  Live job     {url}/jobs/{job.pk}/  loss and tokens/s charts grow live over the websocket",
+        ]
+        if queued is not None:
+            lines.append(f"  Queue        {url}/jobs/{queued.pk}/  job #{queued.pk} waits for capacity "
+                         f"behind #{job.pk}, then trains")
+            lines.append(f"  Compare      {url}/compare/?jobs={job.pk},{queued.pk}  both loss curves, "
+                         "gap to the baseline at equal tokens")
+        if opts["chaos"]:
+            lines.append(f"  Chaos        in {opts['chaos_after']:.0f} s a pool worker running job #{job.pk} "
+                         f"is killed (SIGKILL) and started again {opts['chaos_restart']:.0f} s later:")
+        else:
+            lines.append("  Chaos        press \"Kill a worker (demo)\" on the job page (staff), "
+                         "or start with --chaos:")
+        lines.append("               a red incident band opens on the charts, the learner moves to another "
+                     "pool (dashed line), the band closes when it heals; the timeline says the same")
+        for line in lines:
+            self.stdout.write(line)
+
+    # ------------------------------------------------------------------ chaos
+    def _kill_one(self, sup: Supervisor, pools: list[str], why: str, restarts: dict, now: float,
+                  opts) -> bool:
+        for slug in pools:
+            child = sup.children.get(slug)
+            if child is None or child.env.get("DILOCO_POOL") != slug:  # pool workers only, never web
+                continue
+            if not child.alive() or slug in restarts:
+                continue
+            sup.say("chaos", f"{why}: killing worker {child.name} (SIGKILL, whole process group); "
+                             f"it starts again in {opts['chaos_restart']:.0f} s")
+            sup.kill(child)
+            restarts[slug] = now + opts["chaos_restart"]
+            return True
+        sup.say("chaos", f"{why}: no running worker of {', '.join(pools) or 'any pool'} to kill")
+        return False
+
+    def _chaos_pools(self, opts) -> list[str]:
+        if opts["chaos_pool"] != "auto":
+            return [opts["chaos_pool"]]
+        if getattr(self, "demo_job", None) is None:
+            return []
+        from apps.dashboard.demo_chaos import kill_candidates
+
+        try:
+            return kill_candidates(self.demo_job)
+        finally:
+            connections.close_all()
 
     def _watch(self, sup: Supervisor, interrupted: threading.Event, opts) -> int:
+        from apps.dashboard.demo_chaos import take_request
+
         started = time.monotonic()
-        chaos = sup.children.get(opts["chaos_pool"]) if opts["chaos"] else None
-        if opts["chaos"] and chaos is None:
-            sup.say("demo", f"--chaos: no pool {opts['chaos_pool']!r} in the demo fleet; chaos is off")
-        killed_at = None
+        chaos_at = opts["chaos_after"] if opts["chaos"] else None
+        restarts: dict[str, float] = {}  # pool worker -> when to start it again
         while not interrupted.is_set():
             now = time.monotonic() - started
             if opts["run_for"] and now >= opts["run_for"]:
                 return 0
-            if chaos is not None and killed_at is None and now >= opts["chaos_after"]:
-                sup.say("chaos", f"killing worker {chaos.name} (SIGKILL, whole process group)")
-                sup.kill(chaos)
-                killed_at = now
-            if (
-                chaos is not None
-                and killed_at is not None
-                and chaos.restarts == 0
-                and now >= killed_at + opts["chaos_restart"]
-            ):
-                sup.say("chaos", f"starting worker {chaos.name} again")
-                chaos.restarts += 1
-                sup.start(chaos)
+            if chaos_at is not None and now >= chaos_at:
+                pools = self._chaos_pools(opts)
+                if pools or now > opts["chaos_after"] + 120:
+                    self._kill_one(sup, pools, "--chaos", restarts, now, opts)
+                    chaos_at = None
+                else:
+                    chaos_at = now + 5  # the demo job is not running yet: try again shortly
+            request = take_request()
+            if request is not None:
+                self._kill_one(sup, [str(p) for p in request["pools"]],
+                               f"{request.get('user', 'staff')} pressed Kill a worker", restarts, now, opts)
+            for slug, when in list(restarts.items()):
+                if now >= when:
+                    sup.say("chaos", f"starting worker {slug} again")
+                    sup.children[slug].restarts += 1
+                    sup.start(sup.children[slug])
+                    del restarts[slug]
             dead = sup.crashed()
             if dead is not None:
                 sup.say(dead.name, f"exited with code {dead.popen.returncode}; stopping the demo")

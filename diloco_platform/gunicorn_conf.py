@@ -1,0 +1,39 @@
+"""gunicorn settings of the web process (`gunicorn -c python:diloco_platform.gunicorn_conf`).
+
+uvicorn workers serve the whole ASGI app, so HTTP and the /ws/ websockets share one port and
+one URL. Sync Django views run one at a time per worker (Django's thread-sensitive executor),
+so throughput comes from processes: WEB_CONCURRENCY workers, default 2 per CPU core (measured
+in docs/benchmarks.md, "API"). Without REDIS_URL the channel layer lives in memory and cannot
+fan out between processes (a dashboard on one worker would miss the events another received),
+so the embedded default runs exactly one worker.
+
+Keep CONN_MAX_AGE at 0 here: Django runs each ASGI request's sync code on a thread of its own,
+so a persistent connection is left behind per request thread (measured: 51 idle PostgreSQL
+backends after 60 requests with CONN_MAX_AGE=60, until the server ran out of connections).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def web_workers(env: Mapping[str, str] = os.environ, cpus: int | None = None) -> int:
+    """How many web workers: one without Redis, else WEB_CONCURRENCY or 2 per core."""
+    if not env.get("REDIS_URL"):
+        return 1
+    if env.get("WEB_CONCURRENCY"):
+        return max(1, int(env["WEB_CONCURRENCY"]))
+    return max(1, 2 * (cpus or os.cpu_count() or 1))
+
+
+worker_class = "uvicorn_worker.UvicornWorker"
+workers = web_workers()
+# A request that takes longer than this is stuck: the worker is replaced (websockets are not
+# affected: the uvicorn worker's event loop keeps notifying the arbiter while they stay open).
+timeout = 60
+graceful_timeout = 10
+keepalive = 5
+# Access lines go nowhere by default (the platform logs what matters itself); errors to stderr.
+accesslog = os.environ.get("WEB_ACCESS_LOG") or None
+errorlog = "-"
+loglevel = os.environ.get("LOG_LEVEL", "info").lower()

@@ -1,0 +1,24 @@
+"""The checkpoint codec packs tensors without cloning them first, safely."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.runtime import codec
+
+
+def test_pack_handles_views_of_one_buffer_and_repeated_tensors():
+    flat = torch.arange(10, dtype=torch.float32)
+    own = torch.randn(3)
+    state = {"a": flat[:4].view(2, 2), "b": flat[4:], "again": own, "own": own, "empty": torch.zeros(0)}
+    out = codec.unpack(codec.pack(state))
+    assert torch.equal(out["a"], flat[:4].view(2, 2)) and torch.equal(out["b"], flat[4:])
+    assert torch.equal(out["again"], own) and torch.equal(out["own"], own)
+    assert out["empty"].shape == (0,)
+
+
+def test_packed_bytes_are_a_snapshot():
+    t = torch.ones(4)
+    blob = codec.pack({"t": t})
+    t.add_(1)
+    assert torch.equal(codec.unpack(blob)["t"], torch.ones(4))

@@ -1,0 +1,66 @@
+"""One configuration: the spec, the engine config and the CLI share their defaults and rules.
+
+The quorum default, the inner-lr and inner-prox defaults and the token budget are functions of
+trainer.config; the engine config of a spec comes from TrainConfig.from_spec alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainer.cli import build_parser, config_from_args
+from trainer.config import TrainConfig, default_quorum, token_budget
+from trainer.spec import JobSpec, stored_spec
+
+# Spec fields the engine config does not carry (the platform reads them from the spec): placement,
+# elasticity, syncer sharding, checkpoint cadence; `eval_interval` becomes `eval_every`, `strategy`
+# the quorum of synchronous DiLoCo; a learner island's shape is read by its runner.
+PLATFORM_FIELDS = {"name", "strategy", "objective", "pools", "min_learners", "max_learners", "syncer_shards",
+                   "checkpoint_interval", "eval_interval", "devices_per_learner", "inner_parallelism"}
+
+
+def test_every_spec_field_reaches_the_engine_or_is_a_platform_field():
+    engine = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(JobSpec.model_fields) - engine <= PLATFORM_FIELDS
+    spec = JobSpec(learners=6, inner_steps=30, fragments=3, outer_lr=0.5, max_tokens=12345, eval_interval=3)
+    cfg = TrainConfig.from_spec(spec)
+    for name in set(JobSpec.model_fields) & engine:
+        assert getattr(cfg, name) == getattr(spec, name), name
+    assert cfg.eval_every == 3
+
+
+@pytest.mark.parametrize("learners", [1, 2, 5, 9])
+def test_the_quorum_default_is_the_same_everywhere(learners):
+    spec = JobSpec(learners=learners)
+    cli = config_from_args(build_parser().parse_args(["train", "--learners", str(learners)]))
+    assert spec.quorum == TrainConfig.from_spec(spec).quorum == cli.quorum == default_quorum(learners)
+
+
+def test_synchronous_diloco_merges_with_every_learner():
+    assert TrainConfig.from_spec(JobSpec(strategy="diloco", learners=3, quorum=1)).quorum == 3
+    assert TrainConfig.from_spec(JobSpec(strategy="decoupled", learners=3, quorum=1)).quorum == 1
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1000, 10**9])
+def test_one_token_budget(max_tokens):
+    spec = JobSpec(learners=3, steps=50, batch_size=4, seq_len=16, max_tokens=max_tokens)
+    expected = min(3 * 50 * 4 * 16, max_tokens or 10**18)
+    assert spec.total_tokens == TrainConfig.from_spec(spec).total_tokens == expected
+    assert token_budget(3, 50, 4, 16, max_tokens) == expected
+    assert stored_spec(spec.model_dump(mode="json")).total_tokens == expected
+
+
+def test_a_stored_spec_that_no_longer_validates_reads_as_none():
+    assert stored_spec({"learners": 0}) is None and stored_spec("not a spec") is None
+    assert stored_spec({}) == JobSpec()
+
+
+def test_a_default_spec_runs_the_engine_defaults():
+    """The spec's defaults are the engine's, but for two on purpose: the quorum (M // 2 for a job,
+    1 for a bare engine config) and the evaluation cadence (every 5 outer steps on the platform,
+    where the syncer pays for it; every round in the CLI and the simulator)."""
+    spec, engine = TrainConfig.from_spec(JobSpec()), TrainConfig()
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    differ = {n for n in names if getattr(spec, n) != getattr(engine, n)}
+    assert differ == {"quorum", "eval_every"} and spec.quorum == default_quorum(engine.learners)
