@@ -32,14 +32,21 @@ def _broker() -> str:
 
 
 def _channel_layer() -> str:
-    from channels.layers import get_channel_layer
+    from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
 
-    layer = get_channel_layer()
+    # A layer of its own per probe: the shared one belongs to one event loop, and concurrent
+    # probes (each with asyncio.run in its own thread) would otherwise collide in receive().
+    layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
 
     async def roundtrip() -> None:
-        name = await layer.new_channel()
-        await layer.send(name, {"type": "healthz.ping"})
-        await layer.receive(name)
+        try:
+            name = await layer.new_channel()
+            await layer.send(name, {"type": "healthz.ping"})
+            await layer.receive(name)
+        finally:
+            close = getattr(layer, "close_pools", None)
+            if close is not None:
+                await close()
 
     asyncio.run(asyncio.wait_for(roundtrip(), timeout=2))
     return "ok (" + type(layer).__name__ + ")"

@@ -38,6 +38,18 @@ def test_healthz_needs_no_login_and_is_json(client):
     assert resp["Content-Type"] == "application/json"
 
 
+def test_channel_layer_probe_holds_under_concurrent_calls():
+    """Concurrent /healthz calls (several threads of one web worker) each get their own layer:
+    one shared layer would fail with "Two event loops are trying to receive()"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from apps.inventory.health import _channel_layer
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: _channel_layer(), range(16)))
+    assert all(r.startswith("ok") for r in results), results
+
+
 def test_healthz_503_when_redis_is_unreachable(client, settings):
     url = dead_redis_url()
     settings.REDIS_URL = url

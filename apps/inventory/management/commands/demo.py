@@ -50,6 +50,7 @@ from apps.inventory.models import Node, Pool, PoolToken
 from diloco_platform import processes
 
 FLEET_FILE = Path(__file__).resolve().parents[2] / "demo_fleet.yaml"
+SERVICES = frozenset({"web", "coordinator", "beat"})  # the children that are not pool workers
 COLOURS = ["36", "33", "32", "35", "34", "31", "96", "93"]
 
 
@@ -485,7 +486,7 @@ class Command(BaseCommand):
                   opts) -> bool:
         for slug in pools:
             child = sup.children.get(slug)
-            if child is None or child.env.get("DILOCO_POOL") != slug:  # pool workers only, never web
+            if child is None or child.name in SERVICES:  # pool workers only, never web or beat
                 continue
             if not child.alive() or slug in restarts:
                 continue
