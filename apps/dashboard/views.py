@@ -1,4 +1,9 @@
-"""Server-rendered dashboard pages. Live parts update over /ws/jobs/<id>/ and /ws/fleet/."""
+"""Server-rendered dashboard pages. Live parts update over /ws/jobs/<id>/ and /ws/fleet/.
+
+Over 500 lines because it holds every page's view in one place, each short and alike (a query,
+a permission check, a template); the page-specific logic lives in data.py, compare.py,
+markers.py and job_filters.py.
+"""
 from __future__ import annotations
 
 import io
