@@ -72,7 +72,7 @@ def test_job_filters_survive_a_reload_and_a_shared_link(dash, world, context):
     dash.locator("#f-owner").select_option("alice")
     dash.locator("#f-team").select_option("vision")
     dash.get_by_label("Search jobs").fill("alp")
-    dash.get_by_role("button", name="Filter").click()
+    dash.get_by_role("button", name="Search").click()
     dash.wait_for_url(re.compile(r"owner=alice"))
     assert _query(dash.url) == {"owner": ["alice"], "team": ["vision"], "q": ["alp"]}
     expect(rows).to_have_count(1)
@@ -88,7 +88,7 @@ def test_job_filters_survive_a_reload_and_a_shared_link(dash, world, context):
     dash.locator("#f-owner").select_option("")
     dash.get_by_label("Search jobs").fill("")
     dash.locator("#f-pool").select_option("a100-west")
-    dash.get_by_role("button", name="Filter").click()
+    dash.get_by_role("button", name="Search").click()
     dash.wait_for_url(re.compile(r"pool=a100-west"))
     expect(rows).to_have_count(1)  # gamma: vision, on a100-west
     dash.locator("a.chip", has_text="Completed").click()
