@@ -1,5 +1,6 @@
-"""Learner islands on CPU with gloo: the data slices, the loss of M x 2 processes against M x 1,
-and a dead rank failing its learner instead of hanging it."""
+"""Learner islands on CPU with gloo: the data slices, the loss of M x 2 processes against M x 1 and
+of FSDP2 against DDP, an FSDP island against a one-process learner, and a dead rank failing its
+learner instead of hanging it (DDP and FSDP)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.data import TokenStream
-from trainer.island import IslandLearner, SliceStream, teardown
+from trainer.island import IslandLearner, SliceStream, make_island, teardown
 from trainer.runtime.island_rank import IslandSpec, start
 
 
@@ -73,13 +74,16 @@ def test_two_processes_per_learner_reach_the_loss_of_one(trained):
     assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 0.01 * one["final_val_loss"]
 
 
-def test_a_dead_follower_fails_its_learner_instead_of_hanging_it(small_config, stdlib_corpus):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_dead_follower_fails_its_learner_instead_of_hanging_it(small_config, stdlib_corpus, parallelism):
     """kill -9 of rank 1: rank 0's next collective fails (gloo sees the closed connection, the
     timeout is the backstop), so the learner ends and the platform can re-place it whole."""
     config = small_config(learners=1, quorum=1, steps=10_000, batch_size=4, seq_len=32)
-    followers = start(IslandSpec(config=config.to_dict(), islands=[(0, [0, 1])], timeout_s=30))
+    followers = start(IslandSpec(config=config.to_dict(), islands=[(0, [0, 1])], timeout_s=30,
+                                 parallelism=parallelism))
     try:
-        learner = IslandLearner(config, 0, ranks=[0, 1], corpus=stdlib_corpus, timeout_s=30)
+        learner = make_island(config, 0, ranks=[0, 1], corpus=stdlib_corpus, timeout_s=30,
+                              parallelism=parallelism)
         for _ in range(3):
             learner.step()
         assert learner.tokens == 3 * 4 * 32  # the island's batch, counted once
@@ -142,7 +146,6 @@ def test_an_fsdp_island_steps_contributes_adopts_and_resumes_as_one_process(smal
     learner on the same batches: the contributions rank 0 gathers, the adopted fragments every rank
     takes its shard of, the checkpoint it gathers and a state it resumes from are all the one-process
     learner's; then the follower stops and leaves its group cleanly (exit 0, no abort at teardown)."""
-    from trainer.island import make_island
     from trainer.learner import Learner
     from trainer.protocol import GlobalFragment
 
