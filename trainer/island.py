@@ -13,6 +13,9 @@ fragment: the fragment's weights and base; a resumed checkpoint: the whole learn
 as safetensors bytes, never pickle). So the pseudo-gradient is computed once, on rank 0,
 and the followers never diverge. Collectives time out, so a dead rank fails the others
 instead of hanging them; the platform then re-places the learner whole.
+
+This module is the DDP island; `inner_parallelism: fsdp` (each rank a shard) is
+trainer.island_fsdp.ShardedIsland, on the same start, commands and teardown. `make_island` picks.
 """
 from __future__ import annotations
 

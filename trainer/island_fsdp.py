@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.island import IslandLearner, _Loss
 from trainer.learner import Learner, StepResult, make_optimizer
+from trainer.protocol import GlobalFragment
 
 STOP, STEP, LOSS, GATHER, SET, STATE, LOAD = range(7)
 
@@ -180,12 +181,12 @@ class ShardedIsland(IslandLearner):
         return snap
 
     @torch.no_grad()
-    def adopt(self, g) -> bool:
+    def adopt(self, g: GlobalFragment) -> bool:
         """Learner.adopt on the fragment's whole weights (gathered), then every rank takes its
         shard of the result and of the new base."""
         p = g.fragment
-        if 0 <= p < len(self.fragments) and g.version <= self.adopted_versions[p]:
-            return False  # not newer: nothing to gather
+        if not 0 <= p < len(self.fragments) or g.version <= self.adopted_versions[p]:
+            return Learner.adopt(self, g)  # refused, or not newer: nothing to gather
         names = self.fragments[p]
         whole = self._gather_fragment(p)
         live = {n: self.params[n] for n in names}
