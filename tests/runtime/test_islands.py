@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from apps.coordinator.chaos import island_follower_pids as follower_pids
 from apps.jobs import state as st
 from apps.jobs.models import Event, Incident, Job, Learner, MetricPoint
 from apps.jobs.services import submit_job
@@ -34,22 +35,6 @@ STEPS = 160  # long enough that learner 0 is killed, placed again and resumed mi
 def island_stack(transactional_db, tmp_path):
     with Stack(tmp_path, pools={"alpha": 4}) as s:  # one CPU node of 4 slots: 2 learners x 2 devices
         yield s
-
-
-def follower_pids(job_id: int, index: int) -> list[int]:
-    """Pids of the follower ranks of learner `index` of job `job_id` (their command line names them)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "trainer.runtime.island_rank" in cmd and f'"job": "{job_id}"' in cmd \
-                and f'"islands": [[{index}, ' in cmd:
-            out.append(int(entry.name))
-    return out
 
 
 def test_a_node_has_as_many_slots_as_its_worker_runs_tasks():
