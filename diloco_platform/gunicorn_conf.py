@@ -10,9 +10,11 @@ so the embedded default runs exactly one worker.
 Keep CONN_MAX_AGE at 0 here: Django runs each ASGI request's sync code on a thread of its own,
 so a persistent connection is left behind per request thread (measured: 51 idle PostgreSQL
 backends after 60 requests with CONN_MAX_AGE=60, until the server ran out of connections).
+The workers use a connection pool instead (DB_POOL, on by default here: `web_db_pool`).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 
@@ -26,7 +28,16 @@ def web_workers(env: Mapping[str, str] = os.environ, cpus: int | None = None) ->
     return max(1, 2 * (cpus or os.cpu_count() or 1))
 
 
+def web_db_pool(env: Mapping[str, str] = os.environ) -> list[str]:
+    """gunicorn's raw_env for the workers: the PostgreSQL connection pool on (DB_POOL=1) unless
+    DB_POOL or CONN_MAX_AGE is set, or psycopg_pool is missing. Nothing changes in the importer."""
+    if "DB_POOL" in env or env.get("CONN_MAX_AGE", "0") not in ("", "0"):
+        return []
+    return ["DB_POOL=1"] if importlib.util.find_spec("psycopg_pool") else []
+
+
 worker_class = "uvicorn_worker.UvicornWorker"
+raw_env = web_db_pool()
 workers = web_workers()
 # A request that takes longer than this is stuck: the worker is replaced (websockets are not
 # affected: the uvicorn worker's event loop keeps notifying the arbiter while they stay open).
