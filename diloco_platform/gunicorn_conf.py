@@ -1,9 +1,10 @@
 """gunicorn settings of the web process (`gunicorn -c python:diloco_platform.gunicorn_conf`).
 
 uvicorn workers serve the whole ASGI app, so HTTP and the /ws/ websockets share one port and
-one URL. Sync Django views run one at a time per worker (Django's thread-sensitive executor),
-so throughput comes from processes: WEB_CONCURRENCY workers, default 2 per CPU core (measured
-in docs/benchmarks.md, "API"). Without REDIS_URL the channel layer lives in memory and cannot
+one URL. Each request's sync code (middleware and view: diloco_platform/asgi_handler.py) runs
+on a thread of its own, but one worker's threads share its GIL, so throughput comes from
+processes: WEB_CONCURRENCY workers, default 2 per CPU core (measured in docs/api.md,
+"Benchmark"). Without REDIS_URL the channel layer lives in memory and cannot
 fan out between processes (a dashboard on one worker would miss the events another received),
 so the embedded default runs exactly one worker.
 
