@@ -15,7 +15,8 @@ and the followers never diverge. Collectives time out, so a dead rank fails the 
 instead of hanging them; the platform then re-places the learner whole.
 
 This module is the DDP island; `inner_parallelism: fsdp` (each rank a shard) is
-trainer.island_fsdp.ShardedIsland, on the same start, commands and teardown. `make_island` picks.
+trainer.island_fsdp.ShardedIsland, on the same start, commands and teardown.
+`trainer.island_kind.make_island` picks.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import TrainConfig
-from trainer.data import Corpus
 from trainer.learner import Learner, StepResult
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class _Loss(nn.Module):
 
 class IslandLearner(Learner):
     """One rank of an island: the engine Learner, its loss through DDP over `group`
-    (trainer.island_fsdp.ShardedIsland is the FSDP2 one; make_island picks).
+    (trainer.island_fsdp.ShardedIsland is the FSDP2 one; trainer.island_kind.make_island picks).
 
     `ranks` lists the island's global ranks, its leader first. The leader is driven by a
     LearnerLoop like any learner; a follower runs `follow()` until the leader says stop.
@@ -246,17 +246,6 @@ class IslandLearner(Learner):
             self._command(_STOP)
 
 
-def make_island(config: TrainConfig, index: int, *, parallelism: str = "ddp", **kwargs) -> IslandLearner:
-    """One rank of an island that runs `parallelism` (ddp: DDP replicas; fsdp: FSDP2 shards)."""
-    if parallelism == "ddp":
-        return IslandLearner(config, index, **kwargs)
-    if parallelism == "fsdp":
-        from trainer.island_fsdp import ShardedIsland
-
-        return ShardedIsland(config, index, parallelism="fsdp", **kwargs)
-    raise ValueError(f"inner_parallelism {parallelism!r}: one of {', '.join(PARALLELISMS)}")
-
-
 def init_rank(rank: int, world: int, *, port: int | None = None, store=None, device: str = "cpu",
               timeout_s: float | None = None) -> None:
     """Join the world: rank 0 passes the TCPStore it hosts, the others its port on 127.0.0.1."""
@@ -281,14 +270,6 @@ def make_groups(layout: list[list[int]]) -> list:
     if len(layout) == 1 and len(layout[0]) == world:
         return [None]
     return [dist.new_group(ranks) for ranks in layout]
-
-
-def follower(config: TrainConfig, index: int, ranks: list[int], group, corpus: Corpus, *,
-             num_learners: int | None = None, job: str = "local", incarnation: int = 0,
-             parallelism: str = "ddp", timeout_s: float | None = None) -> IslandLearner:
-    return make_island(config, index, ranks=ranks, group=group, parallelism=parallelism,
-                       timeout_s=timeout_s, corpus=corpus, num_learners=num_learners, job=job,
-                       incarnation=incarnation)
 
 
 def teardown() -> None:

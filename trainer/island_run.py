@@ -12,9 +12,9 @@ from trainer.island import (
     island_device,
     island_layout,
     make_groups,
-    make_island,
     teardown,
 )
+from trainer.island_kind import make_island
 from trainer.learner import load_corpus
 from trainer.runtime.island_rank import IslandSpec, start
 from trainer.train import LocalRun

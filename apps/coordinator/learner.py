@@ -223,7 +223,8 @@ def _engine(job, spec, config, data, index: int, incarnation: int):
               "num_learners": _shards(spec, index)}
     if spec.devices_per_learner <= 1:
         return EngineLearner(config, index, **kwargs), None
-    from trainer.island import island_device, make_island, teardown
+    from trainer.island import island_device, teardown
+    from trainer.island_kind import make_island
     from trainer.runtime.island_rank import start
 
     ispec = _island_spec(job, spec, config, index, incarnation)

@@ -16,7 +16,8 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.data import TokenStream
-from trainer.island import IslandLearner, SliceStream, make_island, teardown
+from trainer.island import IslandLearner, SliceStream, teardown
+from trainer.island_kind import make_island
 from trainer.runtime.island_rank import IslandSpec, start
 
 

@@ -86,7 +86,8 @@ def _fsdp_costs(island, per: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.island import make_island, teardown
+    from trainer.island import teardown
+    from trainer.island_kind import make_island
     from trainer.runtime.island_rank import IslandSpec, start
 
     p = argparse.ArgumentParser(prog="python -m trainer.bench.island", description=__doc__)
