@@ -10,7 +10,8 @@ from trainer.clock import ManualClock
 from trainer.config import TrainConfig
 from trainer.protocol import Contribution
 from trainer.runtime import keys
-from trainer.runtime.syncer_loop import Beat, Commit, LearnerView, LeaseLost, Resume, SyncerLoop
+from trainer.runtime.memory_host import MemoryWorld as _MemoryWorld
+from trainer.runtime.syncer_loop import LeaseLost, SyncerLoop
 from trainer.syncer import Syncer
 from trainer.transport import MemoryStore
 
@@ -28,96 +29,11 @@ def _who(contributor: dict) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------- in memory
-class MemoryWorld:
-    """What a database would hold: the lease, the learners, the committed outer steps."""
-
-    def __init__(self, learners: int = 2):
-        self.job = "mem"
-        self.lease_epoch = 1
-        self.resume: Resume | None = None
-        self.learners = {i: LearnerView(incarnation=1) for i in range(learners)}
-        self.rows: list[Commit] = []
-        self.refusals: list[tuple[str, str]] = []
-        self.tokens = 0
-        self.status = "running"
-        self.checkpoints: list[tuple[str, int]] = []
-        self.final_loss: float | None = None
-
-    def host(self, epoch: int) -> MemoryHost:
-        self.lease_epoch = epoch
-        return MemoryHost(self, epoch)
-
-    def restart_learner(self, i: int, incarnation: int, resume_at: int | None) -> None:
-        point = None if resume_at is None else {"frag_pos": {"0": resume_at}}
-        self.learners[i] = LearnerView(incarnation=incarnation, resume_point=point)
-
-    def learner_done(self, i: int) -> None:
-        self.learners[i] = LearnerView(self.learners[i].incarnation, live=False, finished=True)
-
-    def pause(self) -> None:
-        self.status = "paused"
-
-    def ended(self) -> tuple[list[tuple[str, int]], bool]:
-        """(checkpoints written, whether the job was completed with a final loss)."""
-        return self.checkpoints, self.final_loss is not None
+class MemoryWorld(_MemoryWorld):
+    """The in-memory world of trainer.runtime.memory_host, with the protocol tests' view of it."""
 
     def steps(self) -> list[tuple[int, list]]:
         return [(r.version, sorted(_who(c) for c in r.contributors)) for r in self.rows]
-
-    def reasons(self) -> list[str]:
-        return [reason for _key, reason in self.refusals]
-
-    def tokens_contributed(self) -> int:
-        return self.tokens
-
-
-class MemoryHost:
-    """SyncerHost over a MemoryWorld: the commit transaction is a lease check and an append."""
-
-    def __init__(self, world: MemoryWorld, epoch: int):
-        self.world, self.epoch = world, epoch
-
-    def _check(self) -> None:
-        if self.world.lease_epoch != self.epoch:
-            raise LeaseLost(f"epoch {self.epoch} superseded")
-
-    def beat(self) -> Beat:
-        self._check()
-        return Beat(status=self.world.status, learners=dict(self.world.learners),
-                    stop=self.world.status == "paused")
-
-    def resume_point(self) -> Resume | None:
-        return self.world.resume
-
-    def commit(self, c: Commit) -> None:
-        self._check()
-        self.world.resume = Resume(c.commits, c.state_key, dict(c.head), dict(c.head_epochs))
-        self.world.rows.append(c)
-        self.world.tokens += c.tokens
-
-    def committed(self, c: Commit, outer_steps: int, metrics_due: bool) -> None:
-        pass
-
-    def refused(self, ref: keys.ContribRef, reason: str) -> None:
-        self.world.refusals.append((ref.key, reason))
-
-    def outer_steps(self) -> int:
-        return len(self.world.rows)
-
-    def others_finished(self) -> bool:
-        return True
-
-    def evaluate(self, state, step: int) -> float:
-        return float(sum(float(t.square().sum()) for t in state.values()))
-
-    def checkpoint(self, kind, state, outer_steps, versions) -> None:
-        self.world.checkpoints.append((kind, outer_steps))
-
-    def stopped(self, status: str) -> None:
-        pass
-
-    def finished(self, summary, loss) -> None:
-        self.world.final_loss = loss
 
 
 # ---------------------------------------------------------------------------------- Django

@@ -80,7 +80,7 @@ class LearnerLoop:
                  compression: str = "none", heartbeat_interval: float = 1.0, poll_interval: float = 0.25,
                  checkpoint_interval: float = 2.0, speed_factor: float = 1.0, final_wait: float = 30.0,
                  decode_global: Callable[[bytes], Any] | None = None, clock=time.monotonic,
-                 syncer_shards: int = 1):
+                 syncer_shards: int = 1, writer=None):
         self.learner = learner
         self.syncer_shards = max(1, int(syncer_shards))
         self.store = store
@@ -104,7 +104,7 @@ class LearnerLoop:
 
             decode_global = GlobalFragment.from_bytes
         self.decode_global = decode_global
-        self.writer = OrderedWriter(store)
+        self.writer = OrderedWriter(store) if writer is None else writer  # sim: an InlineWriter
         self.frag_pos: dict[int, int] = {}
         self.head_versions: dict[int, int] = {}
         self.head_epochs: dict[int, int] = {}
@@ -448,9 +448,8 @@ class LearnerLoop:
             except Exception:
                 break
 
-    def run(self, max_seconds: float | None = None) -> LoopResult:
-        import threading
-
+    def begin(self) -> float:
+        """Reset the counters, send the first sign of life: `run()` or a stepping driver calls it."""
         t_start = self._t_start = self.clock()
         self._next_poll = t_start + self.poll_interval
         self._last_ckpt = t_start
@@ -463,6 +462,12 @@ class LearnerLoop:
         self._ctl = None
         self._fenced = None
         self._beat_once()  # first sign of life before the first step
+        return t_start
+
+    def run(self, max_seconds: float | None = None) -> LoopResult:
+        import threading
+
+        t_start = self.begin()
         self._beat_stop = threading.Event()
         beat = threading.Thread(target=self._beat_loop, name=f"heartbeat-{self.index}", daemon=True)
         beat.start()

@@ -31,11 +31,11 @@ result row), `dp` (the data-parallel baselines), `diloco` (the event-driven DiLo
 
 from __future__ import annotations
 
-from trainer.sim.diloco import VirtualClock, run_diloco
+from trainer.sim.diloco import run_diloco
 from trainer.sim.dp import run_dp
 from trainer.sim.state import SimRun, SimSpec
 
-__all__ = ["STRATEGIES", "SimRun", "SimSpec", "VirtualClock", "run_diloco", "run_dp", "run_strategy"]
+__all__ = ["STRATEGIES", "SimRun", "SimSpec", "run_diloco", "run_dp", "run_strategy"]
 
 STRATEGIES = ("ddp", "elastic-ddp", "diloco", "decoupled", "decoupled+rebalance")
 
