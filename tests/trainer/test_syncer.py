@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.checkpoint import state_from_bytes, state_to_bytes
 from trainer.clock import ManualClock
 from trainer.config import TrainConfig
 from trainer.protocol import Contribution
+from trainer.runtime.codec import pack, unpack
 from trainer.syncer import Syncer
 
 SHAPES = {"a.weight": (4, 3), "b.bias": (5,)}
@@ -305,9 +305,9 @@ def test_idempotent_across_state_dict_restore():
     syncer.submit(_contrib(0))
     syncer.merge(0)
     syncer.submit(_contrib(1, base_version=0))  # pending at checkpoint time
-    blob = state_to_bytes(syncer.state_dict())
+    blob = pack(syncer.state_dict())
     restored = Syncer(cfg, _initial(seed=5), ManualClock())
-    restored.load_state_dict(state_from_bytes(blob))
+    restored.load_state_dict(unpack(blob))
     assert restored.versions == {0: 1}
     assert restored.pending_count(0) == 1
     r = restored.submit(_contrib(0))  # redelivered after the restart
@@ -360,7 +360,7 @@ def test_compressed_global_updates_rebuild_the_published_weights_bit_exactly():
     step = max(float(t.abs().max()) for t in _delta(0).values()) * 0.01 * 0.7 * 3
     assert max(residuals) < step  # never accumulates beyond one update's rounding
     restored = Syncer(cfg, init, ManualClock())
-    restored.load_state_dict(state_from_bytes(state_to_bytes(syncer.state_dict())))
+    restored.load_state_dict(unpack(pack(syncer.state_dict())))
     assert restored.global_update(0) == syncer.global_update(0)
     for n in held:
         assert torch.equal(restored.published[n], syncer.published[n])
@@ -401,7 +401,7 @@ def test_update_history_chains_a_learner_several_versions_behind():
     assert syncer.global_update(0) == syncer.global_updates(0, current - 1)[0]
 
     restored = Syncer(cfg, init, ManualClock())
-    restored.load_state_dict(state_from_bytes(state_to_bytes(syncer.state_dict())))
+    restored.load_state_dict(unpack(pack(syncer.state_dict())))
     assert restored.global_updates(0, current - 3) == syncer.global_updates(0, current - 3)
     old = syncer.state_dict()
     old["updates"] = {0: old["updates"][0][current]}  # the format before the history
