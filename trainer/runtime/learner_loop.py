@@ -336,8 +336,8 @@ class LearnerLoop:
     def checkpoint(self) -> None:
         state = {"state": self.learner.state_dict(), "frag_pos": dict(self.frag_pos),
                  "tokens": int(self.learner.tokens), "incarnation": self.incarnation}
-        # Copy the tensors now (the loop keeps training); serialise in the writer thread.
-        tensors, meta = codec.encode(state)
+        # state_dict() hands out copies (training goes on): serialised as they are, in the writer
+        tensors, meta = codec.encode(state, copy=False)
         self.writer.put(keys.learner_ckpt_key(self.job, self.index, self.incarnation),
                         lambda: codec.save(tensors, meta))
 
