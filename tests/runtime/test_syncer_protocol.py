@@ -143,7 +143,7 @@ def engine(job, max_staleness: int = 4) -> Syncer:
                       max_staleness=max_staleness)
     g = torch.Generator().manual_seed(0)
     init = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-    return Syncer(cfg, init, ManualClock(), job=str(job), fence_incarnations=False)
+    return Syncer(cfg, init, ManualClock(), job=str(job))
 
 
 def loop(world, store, epoch: int = 1, **kw) -> SyncerLoop:
@@ -216,6 +216,33 @@ def test_a_zombie_incarnation_is_fenced_and_its_predecessors_earlier_work_kept(w
     assert lp.ledger.covered(0, 0) == 160 and lp.ledger.covered(1, 0) == 80
     assert world.reasons() == ["zombie"]
     assert contribs(store) == [keys.contrib_key(world.job, 1, 9, 0, 0, 40, 120)]
+
+
+def test_a_restart_takes_pending_work_back_out_until_the_resume_point_says_it_counts(world):
+    """Moved from the engine's fencing test (the engine no longer fences): contributions already
+    pending in the round when their learner restarts. Past the successor's resume point they
+    are refused as zombies; while the resume point is unknown they leave the round and come
+    back once it is known and covers them."""
+    store = FaultyStore()
+    lp = loop(world, store)  # quorum 2: one learner's contribution stays pending
+    zombie = put(world, store, 0, 1, 0, 100)
+    lp.tick()
+    assert zombie in lp.pending and lp.syncer.pending_count(0) == 1
+    world.restart_learner(0, 2, resume_at=40)  # the successor recomputes tokens 40..100
+    lp.tick()
+    assert lp.syncer.pending_count(0) == 0 and not store.exists(zombie)
+    assert world.reasons() == ["zombie"] and lp.counters["zombies_refused"] == 1
+    kept = put(world, store, 1, 1, 0, 100)
+    lp.tick()
+    assert kept in lp.pending
+    world.restart_learner(1, 2, resume_at=None)  # restarted, resume point not known yet
+    lp.tick()
+    assert lp.syncer.pending_count(0) == 0 and store.exists(kept)  # out of the round, not refused
+    world.restart_learner(1, 2, resume_at=100)
+    put(world, store, 0, 2, 40, 140)
+    lp.tick()
+    assert world.steps() == [(1, [(0, 2, 40), (1, 1, 0)])]
+    assert world.reasons() == ["zombie"]
 
 
 def test_stale_future_and_invalid_contributions_are_refused(world):

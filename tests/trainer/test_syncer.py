@@ -265,32 +265,18 @@ def test_bad_shape_dtype_names_checksum_and_job_are_rejected():
     assert syncer.pending_count(0) == 0
 
 
-def test_incarnation_fencing():
-    syncer = Syncer(_config(quorum=2), _initial(), ManualClock())
-    assert syncer.submit(_contrib(0, incarnation=0)).accepted
-    syncer.fence(0, 1)  # the watchdog restarted learner 0
-    assert syncer.pending_count(0) == 0  # the zombie's pending contribution is gone
-    zombie = syncer.submit(_contrib(0, incarnation=0, seed=9))
-    assert not zombie.accepted and zombie.reason.startswith("fenced")
-    assert syncer.submit(_contrib(0, incarnation=1)).accepted
-    # a newer incarnation seen on the wire fences the older one too
-    assert syncer.submit(_contrib(1, incarnation=0)).accepted
-    assert syncer.submit(_contrib(1, incarnation=2, seed=11)).accepted
-    assert {k[:2] for k in syncer._rounds[0].pending} == {(0, 1), (1, 2)}
-    assert not syncer.submit(_contrib(1, incarnation=1, seed=12)).accepted
-
-
-def test_caller_fencing_keeps_a_predecessors_work_until_withdrawn():
-    """fence_incarnations=False (the runtime fences from token ranges): a newer incarnation does
-    not push its predecessor's pending contribution out, an older one is still accepted, and
-    withdraw() takes one back out; a state round trip keeps the predecessor's."""
-    syncer = Syncer(_config(quorum=3), _initial(), ManualClock(), fence_incarnations=False)
+def test_the_engine_does_not_fence_and_withdraw_takes_work_back_out():
+    """Fencing is the caller's (SyncerLoop: token ranges against the successor's resume point;
+    its cases are in tests/runtime/test_syncer_protocol.py): a newer incarnation does not push
+    its predecessor's pending contribution out, an older one is still accepted, and withdraw()
+    takes one back out; a state round trip keeps the predecessor's."""
+    syncer = Syncer(_config(quorum=3), _initial(), ManualClock())
     assert syncer.submit(_contrib(0, incarnation=0)).accepted
     assert syncer.submit(_contrib(0, incarnation=1, seed=5)).accepted
     assert syncer.submit(_contrib(1, incarnation=2)).accepted
     assert syncer.submit(_contrib(1, incarnation=1, seed=6)).accepted  # arrived late, still taken
     assert syncer.pending_count(0) == 4 and syncer.incarnations == {0: 1, 1: 2}
-    restored = Syncer(_config(quorum=3), _initial(), ManualClock(), fence_incarnations=False)
+    restored = Syncer(_config(quorum=3), _initial(), ManualClock())
     restored.load_state_dict(syncer.state_dict())
     assert restored.pending_count(0) == 4
     assert syncer.withdraw((1, 1, 0, 0)) and not syncer.withdraw((1, 1, 0, 0))

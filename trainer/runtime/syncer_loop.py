@@ -12,7 +12,7 @@ A loop restarted at any point resumes from the snapshot the host committed last;
 after it are ignored (keys carry the writer's epoch, so a fenced syncer cannot overwrite what a
 newer one committed) and the ledger in the snapshot means no contribution is applied twice.
 
-Fencing has one rule, here (the engine is built with `fence_incarnations=False`): a contribution
+Fencing has one rule, here (the engine does not fence): a contribution
 of an older incarnation counts when its token range ends at or before the point where the
 successor resumed, waits while that point is unknown, and is refused as a zombie otherwise.
 
@@ -87,8 +87,6 @@ class SyncerLoop:
                  shard: int = 0, shards: int = 1, eval_interval: int = 5, checkpoint_interval: int = 10,
                  heartbeat_interval: float = 0.5, clock: Callable[[], float] = time.monotonic,
                  metrics_interval: float = 1.0):
-        if syncer.fence_incarnations:
-            raise ValueError("the loop fences (token ranges): build the Syncer with fence_incarnations=False")
         self.syncer, self.store, self.host = syncer, store, host
         self.job, self.epoch, self.shard = job, int(epoch), int(shard)
         self.P = len(syncer.fragments)

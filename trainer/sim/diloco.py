@@ -125,7 +125,7 @@ class _DilocoSim:
         self.store = MemoryStore()
         self.world = MemoryWorld(M, job=JOB, incarnation=0)
         self.sloop = SyncerLoop(
-            Syncer(cfg, model0, self.clock, job=spec.name, fence_incarnations=False), self.store,
+            Syncer(cfg, model0, self.clock, job=spec.name), self.store,
             _SimHost(self.world, self), job=JOB, epoch=EPOCH, eval_interval=NEVER_COMMITS,
             checkpoint_interval=NEVER_COMMITS, heartbeat_interval=0.0, clock=self.clock.now,
             metrics_interval=NEVER)
