@@ -149,7 +149,7 @@ def engine(job, max_staleness: int = 4) -> Syncer:
 def loop(world, store, epoch: int = 1, **kw) -> SyncerLoop:
     lp = SyncerLoop(engine(world.job, **kw), store, world.host(epoch), job=world.job, epoch=epoch,
                     eval_interval=NEVER, checkpoint_interval=NEVER, heartbeat_interval=0.0,
-                    clock=ManualClock().now)
+                    clock=ManualClock())
     lp.start()
     return lp
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.clock import Clock, WallClock
 from trainer.protocol import Contribution, GlobalFragment, InvalidPayload
 
 from . import codec, keys
@@ -85,7 +86,7 @@ class SyncerLoop:
 
     def __init__(self, syncer: Syncer, store: BlobStore, host: SyncerHost, *, job: int | str, epoch: int,
                  shard: int = 0, shards: int = 1, eval_interval: int = 5, checkpoint_interval: int = 10,
-                 heartbeat_interval: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 heartbeat_interval: float = 0.5, clock: Clock | None = None,
                  metrics_interval: float = 1.0):
         self.syncer, self.store, self.host = syncer, store, host
         self.job, self.epoch, self.shard = job, int(epoch), int(shard)
@@ -95,7 +96,7 @@ class SyncerLoop:
         self.leader = self.shard == 0
         self.eval_interval, self.checkpoint_interval = int(eval_interval), int(checkpoint_interval)
         self.heartbeat_interval, self.metrics_interval = heartbeat_interval, metrics_interval
-        self.clock = clock
+        self.clock = WallClock() if clock is None else clock
         self.shapes = {k: tuple(v.shape) for k, v in syncer.params.items()}
         self.ledger = Ledger()
         self.commits = 0
@@ -114,7 +115,7 @@ class SyncerLoop:
         self.last_eval_commit = self.last_ckpt_commit = 0
         self.last_metrics_at = -float("inf")
         self.last_merged_norm: float | None = None
-        self.ticked_at = clock()
+        self.ticked_at = self.clock.now()
         self.status = ""
         self._next_beat = -float("inf")
         self._may_finish = False
@@ -360,7 +361,7 @@ class SyncerLoop:
         self.last_merged_norm = c.merged_norm
         total = self.outer_steps()
         evaluate = self.leader and total - self.last_eval_commit >= self.eval_interval
-        now = self.clock()
+        now = self.clock.now()
         metrics_due = self.leader and (evaluate or now - self.last_metrics_at >= self.metrics_interval)
         if metrics_due:
             self.last_metrics_at = now
@@ -421,7 +422,7 @@ class SyncerLoop:
     def tick(self) -> str | None:
         """One step: heartbeat when due, scan, merge, and finish once every learner is done.
         Returns the outcome when the loop is over, else None. Raises LeaseLost."""
-        now = self.ticked_at = self.clock()
+        now = self.ticked_at = self.clock.now()
         if now >= self._next_beat:
             beat = self.heartbeat()
             self._next_beat = now + self.heartbeat_interval

@@ -127,7 +127,7 @@ class _DilocoSim:
         self.sloop = SyncerLoop(
             Syncer(cfg, model0, self.clock, job=spec.name), self.store,
             _SimHost(self.world, self), job=JOB, epoch=EPOCH, eval_interval=NEVER_COMMITS,
-            checkpoint_interval=NEVER_COMMITS, heartbeat_interval=0.0, clock=self.clock.now,
+            checkpoint_interval=NEVER_COMMITS, heartbeat_interval=0.0, clock=self.clock,
             metrics_interval=NEVER)
         self.syncer = self.sloop.syncer
         self.step_time = [isl.step_time(spec.model) for isl in run.islands]
@@ -160,7 +160,7 @@ class _DilocoSim:
         return LearnerLoop(learner, wire, job=JOB, index=i, incarnation=inc,
                            host=_LearnerHost(self.world, i, inc), compression=self.comp,
                            heartbeat_interval=NEVER, poll_interval=NEVER, checkpoint_interval=0.0,
-                           final_wait=0.0, clock=self.clock.now, writer=InlineWriter(wire))
+                           final_wait=0.0, clock=self.clock, writer=InlineWriter(wire))
 
     # -- the run ---------------------------------------------------------------------------
     def execute(self) -> dict:
