@@ -336,10 +336,9 @@ class LearnerLoop:
     def checkpoint(self) -> None:
         state = {"state": self.learner.state_dict(), "frag_pos": dict(self.frag_pos),
                  "tokens": int(self.learner.tokens), "incarnation": self.incarnation}
-        # state_dict() hands out copies (training goes on): serialised as they are, in the writer
-        tensors, meta = codec.encode(state, copy=False)
+        # state_dict() hands out copies (training goes on): encoded as they are, in the writer
         self.writer.put(keys.learner_ckpt_key(self.job, self.index, self.incarnation),
-                        lambda: codec.save(tensors, meta))
+                        lambda: codec.pack(state, copy=False))
 
     # ------------------------------------------------------------------ heartbeat thread
     def _stats(self, steps: int) -> dict[str, Any]:

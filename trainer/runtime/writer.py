@@ -89,7 +89,9 @@ class InlineWriter:
     """The OrderedWriter's interface, writing at once on the caller's thread.
 
     For drivers that own time themselves (the simulator): a write happens at the instant the
-    loop asks for it, so a run is deterministic; FIFO order is the call order."""
+    loop asks for it, so a run is deterministic; FIFO order is the call order. A store that
+    can hold a blob's recipe (`put_lazy`, the simulator's) gets a callable payload unbuilt: it
+    is serialised only if someone reads it (a learner checkpoint, read only on a restart)."""
 
     def __init__(self, store):
         self.store = store
@@ -101,10 +103,13 @@ class InlineWriter:
 
     def put(self, key: str, data: bytes | Callable[[], bytes],
             on_done: Callable[[], None] | None = None) -> None:
-        payload = data() if callable(data) else data
-        self.store.put(key, payload)
-        self.bytes_written += len(payload)
         self.writes += 1
+        if callable(data) and hasattr(self.store, "put_lazy"):
+            self.store.put_lazy(key, data)
+        else:
+            payload = data() if callable(data) else data
+            self.store.put(key, payload)
+            self.bytes_written += len(payload)
         if on_done:
             on_done()
 

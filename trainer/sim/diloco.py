@@ -31,9 +31,8 @@ from trainer.sim.events import EventQueue
 from trainer.sim.fleet import WIRE_BYTES_PER_PARAM
 from trainer.sim.moves import rebalance_moves, redispatch_moves, relocate, resize
 from trainer.sim.state import SimRun, SimSpec
-from trainer.sim.wire import LearnerWire
+from trainer.sim.wire import LazyStore, LearnerWire, land
 from trainer.syncer import Syncer
-from trainer.transport import MemoryStore
 
 JOB = "sim"  # the job's name in blob keys
 EPOCH = 1  # the syncer's lease epoch (it never restarts in the simulator)
@@ -122,7 +121,7 @@ class _DilocoSim:
         self.comp = cfg.compression
         self.P = cfg.fragments
         self.frag_params = _declared_fragment_params(spec.model.params, model0, cfg)
-        self.store = MemoryStore()
+        self.store = LazyStore()
         self.world = MemoryWorld(M, job=JOB, incarnation=0)
         self.sloop = SyncerLoop(
             Syncer(cfg, model0, self.clock, job=spec.name), self.store,
@@ -269,7 +268,7 @@ class _DilocoSim:
         nbytes = self.frag_params[p] * WIRE_BYTES_PER_PARAM[self.comp]
         return self.run.links[self.run.islands[i].pool.slug].send(t, nbytes, "up")
 
-    def land_at(self, t: float, key: str, blob: bytes) -> None:
+    def land_at(self, t: float, key: str, blob) -> None:
         self.q.push(t, "land", key=key, blob=blob)
 
     def fetch(self, j: int, p: int, t: float) -> None:
@@ -387,7 +386,7 @@ class _DilocoSim:
 
     def _on_land(self, t: float, d: dict) -> None:
         """An upload lands in the store; a contribution wakes the syncer loop."""
-        self.store.put(d["key"], d["blob"])
+        land(self.store, d["key"], d["blob"])
         if keys.parse_contrib_key(d["key"]) is not None:
             self.tick_syncer(t)
 
