@@ -28,8 +28,9 @@ Strategies (same fleet, failure schedule, data and token budget):
 
 The drivers live in modules with one job each: `state` (the scenario, shared run state and
 result row), `dp` (the data-parallel baselines), `diloco` (the event-driven DiLoCo driver that
-steps the runtime loops), `wire` (a learner's view of the store across its link), `events` (the event queue) and
-`moves` (the placement/rebalance policy applied to the fleet); this module picks one.
+steps the runtime loops), `wire` (a learner's view of the store across its link), `events`
+(the event queue) and `moves` (the placement/rebalance policy applied to the fleet); this
+module picks one.
 """
 
 from __future__ import annotations
