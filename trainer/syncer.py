@@ -42,6 +42,9 @@ Idempotency: every applied key (learner, incarnation, fragment, base_version) is
 them, so a syncer restored from a checkpoint never applies a contribution twice. Fencing is
 not the engine's: its driver (`trainer.runtime.syncer_loop.SyncerLoop`: token ranges against
 the successor's resume point) admits what counts and `withdraw()`s what its rule refuses later.
+
+The module is over 500 lines because it is one rule: validation, rounds, weights, the outer
+step, publication and state share the same per-fragment bookkeeping.
 """
 
 from __future__ import annotations
