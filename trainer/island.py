@@ -13,6 +13,9 @@ fragment: the fragment's weights and base; a resumed checkpoint: the whole learn
 as safetensors bytes, never pickle). So the pseudo-gradient is computed once, on rank 0,
 and the followers never diverge. Collectives time out, so a dead rank fails the others
 instead of hanging them; the platform then re-places the learner whole.
+
+This module is the DDP island; `inner_parallelism: fsdp` (each rank a shard) is
+trainer.island_fsdp.ShardedIsland, on the same start, commands and teardown. `make_island` picks.
 """
 from __future__ import annotations
 
@@ -99,16 +102,20 @@ class _Loss(nn.Module):
 
 
 class IslandLearner(Learner):
-    """One rank of an island: the engine Learner, its loss through DDP over `group`.
+    """One rank of an island: the engine Learner, its loss through DDP over `group`
+    (trainer.island_fsdp.ShardedIsland is the FSDP2 one; make_island picks).
 
     `ranks` lists the island's global ranks, its leader first. The leader is driven by a
     LearnerLoop like any learner; a follower runs `follow()` until the leader says stop.
     """
 
+    parallelism = "ddp"
+
     def __init__(self, config: TrainConfig, index: int, *, ranks: list[int], group=None,
                  parallelism: str = "ddp", timeout_s: float | None = None, **kwargs) -> None:
-        if parallelism != "ddp":
-            raise ValueError(f"inner_parallelism {parallelism!r}: islands run ddp (docs/runtime.md)")
+        if parallelism != self.parallelism:
+            raise ValueError(f"inner_parallelism {parallelism!r}: use make_island (this class runs "
+                             f"{self.parallelism})")
         super().__init__(config, index, **kwargs)
         self.ranks = list(ranks)
         self.group = group
@@ -119,18 +126,25 @@ class IslandLearner(Learner):
         self.comm = self.device if backend_for(self.device) == "nccl" else torch.device("cpu")
         self.stream = SliceStream(self.stream, self.rank, self.world)
         self.data_ranks = self.world
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        # DDP broadcasts rank 0's weights at construction: every replica starts equal
-        self.ddp = DistributedDataParallel(_Loss(self.model), device_ids=ids, process_group=group,
-                                           forward_sync_buffers=False)
-        self.forward_loss = self.ddp
+        self._wrap()
         self._full = True  # the whole state goes out before the first step
         self._dirty: set[int] = set()
         self.closed = False
 
+    def _wrap(self) -> None:
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        # DDP broadcasts rank 0's weights at construction: every replica starts equal
+        self.ddp = DistributedDataParallel(_Loss(self.model), device_ids=ids, process_group=self.group,
+                                           forward_sync_buffers=False)
+        self.forward_loss = self.ddp
+
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def _contribute(self, p: int) -> None:
+        if self.is_leader:  # only the leader contributes: the pseudo-gradient is computed once
+            super()._contribute(p)
 
     # ---------------------------------------------------------------- leader: what changed
     @torch.no_grad()
@@ -210,8 +224,6 @@ class IslandLearner(Learner):
         if self.is_leader:
             self._command(_STEP)
         res = super().step()
-        if not self.is_leader:
-            self._due.clear()  # only the leader contributes
         loss = torch.tensor([res.loss], dtype=torch.float64, device=self.comm)
         dist.all_reduce(loss, group=self.group)
         self.last_loss = float(loss.item()) / self.world
@@ -232,6 +244,17 @@ class IslandLearner(Learner):
         if self.is_leader and not self.closed:
             self.closed = True
             self._command(_STOP)
+
+
+def make_island(config: TrainConfig, index: int, *, parallelism: str = "ddp", **kwargs) -> IslandLearner:
+    """One rank of an island that runs `parallelism` (ddp: DDP replicas; fsdp: FSDP2 shards)."""
+    if parallelism == "ddp":
+        return IslandLearner(config, index, **kwargs)
+    if parallelism == "fsdp":
+        from trainer.island_fsdp import ShardedIsland
+
+        return ShardedIsland(config, index, parallelism="fsdp", **kwargs)
+    raise ValueError(f"inner_parallelism {parallelism!r}: one of {', '.join(PARALLELISMS)}")
 
 
 def init_rank(rank: int, world: int, *, port: int | None = None, store=None, device: str = "cpu",
@@ -263,9 +286,9 @@ def make_groups(layout: list[list[int]]) -> list:
 def follower(config: TrainConfig, index: int, ranks: list[int], group, corpus: Corpus, *,
              num_learners: int | None = None, job: str = "local", incarnation: int = 0,
              parallelism: str = "ddp", timeout_s: float | None = None) -> IslandLearner:
-    return IslandLearner(config, index, ranks=ranks, group=group, parallelism=parallelism,
-                         timeout_s=timeout_s, corpus=corpus, num_learners=num_learners, job=job,
-                         incarnation=incarnation)
+    return make_island(config, index, ranks=ranks, group=group, parallelism=parallelism,
+                       timeout_s=timeout_s, corpus=corpus, num_learners=num_learners, job=job,
+                       incarnation=incarnation)
 
 
 def teardown() -> None:
