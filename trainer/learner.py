@@ -454,8 +454,8 @@ class Learner:
             self._sent_counts = {int(p): [int(a), int(b)] for p, (a, b) in state["sent_counts"].items()}
             self._due = [Contribution.from_state(d) for d in state["due"]]
         else:
-            # A new incarnation: what the old one sent is fenced out by the syncer, so nothing is
-            # outstanding; the progress since the adopted base goes out with the next contribution.
+            # A new incarnation loaded as itself (LearnerLoop loads as the writer instead): nothing
+            # is outstanding; the progress since the adopted base goes out with the next contribution.
             self._sent = dict.fromkeys(range(len(self.fragments)))
             self._sent_counts = {p: [0, 0] for p in range(len(self.fragments))}
             self._due = []
