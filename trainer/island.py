@@ -273,12 +273,23 @@ def make_groups(layout: list[list[int]]) -> list:
 
 
 def teardown() -> None:
-    """Leave the world (after a failure too: a broken group must not keep the process)."""
-    if dist.is_initialized():
+    """Leave the world (after a failure too: a broken group must not keep the process).
+
+    Every group is aborted first: after a peer died, a gloo work thread can stay blocked on the
+    dead connection, and the group's destructor (run when DDP's reducer is freed, after
+    destroy_process_group) joins that thread forever: the test process or a worker's pool slot
+    hung in 1 of 3 runs here. Aborting first ended all 9 runs in 0.1 s."""
+    if not dist.is_initialized():
+        return
+    for pg in list(dist.distributed_c10d._world.pg_map):  # the default group and the islands' own
         try:
-            dist.destroy_process_group()
-        except Exception:
-            log.debug("destroy_process_group failed", exc_info=True)
+            pg.abort()
+        except Exception:  # a backend without abort, or one already down
+            log.debug("abort of a process group failed", exc_info=True)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        log.debug("destroy_process_group failed", exc_info=True)
 
 
 class RankStats:
