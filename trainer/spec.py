@@ -31,6 +31,8 @@ Strategy = Literal["decoupled", "diloco"]
 Compression = Literal["none", "bf16", "int8", "int4"]
 Objective = Literal["time", "energy", "cost"]
 InnerParallelism = Literal["ddp", "fsdp"]
+InnerOptimizer = Literal["adamw", "muon"]
+InnerState = Literal["keep", "reset"]
 
 
 class JobSpec(BaseModel):
@@ -62,6 +64,15 @@ class JobSpec(BaseModel):
     outer_momentum_warmup: int = Field(
         _D["outer_momentum_warmup"], ge=0, le=100_000,
         description="outer steps over which the outer momentum ramps up from 0")
+    outer_momentum_decay: int = Field(
+        _D["outer_momentum_decay"], ge=0, le=100_000,
+        description="last outer steps of the run over which the outer momentum falls to 0 (0: off)")
+    inner_optimizer: InnerOptimizer = Field(
+        _D["inner_optimizer"],
+        description="adamw, or muon: Muon for the hidden matrices and AdamW for the rest (MuLoCo)")
+    muon_momentum: float = Field(_D["muon_momentum"], ge=0, lt=1.0, description="Muon's own momentum")
+    inner_state: InnerState = Field(
+        _D["inner_state"], description="keep or reset the inner optimizer's state on adopting a global")
     inner_lr: float | None = Field(
         None, gt=0, le=1.0,
         description="inner AdamW lr; default by model size: tiny 5e-3, small 2e-3, others 1e-3",
