@@ -75,6 +75,8 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     _add_config_options(c)
     c.add_argument("--baseline-inner-lr", type=float, default=None,
                    help="the baseline's own inner lr (default: --inner-lr, the same as the others)")
+    c.add_argument("--baseline-inner-optimizer", choices=INNER_OPTIMIZERS, default=None,
+                   help="the baseline's own inner optimizer (default: --inner-optimizer)")
     c.add_argument("--target-gap", type=float, default=0.02,
                    help="print whether each strategy stays within this fraction of the baseline")
     c.add_argument("--json", default=None, help="write the comparison here ('-' for stdout)")
@@ -293,6 +295,7 @@ def _compare(args: argparse.Namespace, config: TrainConfig) -> int:
             run=lambda cfg, strategy: run_local(cfg, strategy, corpus=corpus),
             progress=None if args.quiet else (lambda line: print(line, file=out, flush=True)),
             baseline_inner_lr=args.baseline_inner_lr,
+            baseline_inner_optimizer=args.baseline_inner_optimizer,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -301,6 +304,9 @@ def _compare(args: argparse.Namespace, config: TrainConfig) -> int:
     if args.baseline_inner_lr is not None:
         verdict = (f"{args.strategies[0]} at its own inner lr {args.baseline_inner_lr:g}, the others at "
                    f"{config.inner_lr:g}\n{verdict}")
+    if args.baseline_inner_optimizer is not None:
+        verdict = (f"{args.strategies[0]} with {args.baseline_inner_optimizer}, the others with "
+                   f"{config.inner_optimizer}\n{verdict}")
     print(compare.table(doc), file=out)
     print(verdict, file=out, flush=True)
     if args.plot:
