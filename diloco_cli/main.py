@@ -1,5 +1,8 @@
 """The `diloco` command.
 
+Over 500 lines because every subcommand is a thin typer function over client.py, kept in one
+file so `diloco --help` and the code read in the same order.
+
 Exit codes (stable, for CI): 0 done / job completed, 1 job failed or cancelled, 2 invalid
 spec or input, 3 timeout while waiting, 4 authentication or permission error, 5 server
 unreachable or unexpected server error.

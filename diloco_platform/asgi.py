@@ -5,7 +5,7 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "diloco_platform.settings")
 
-from django.core.asgi import get_asgi_application  # noqa: E402
+from diloco_platform.asgi_handler import get_asgi_application  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 

@@ -1,18 +1,21 @@
 """gunicorn settings of the web process (`gunicorn -c python:diloco_platform.gunicorn_conf`).
 
 uvicorn workers serve the whole ASGI app, so HTTP and the /ws/ websockets share one port and
-one URL. Sync Django views run one at a time per worker (Django's thread-sensitive executor),
-so throughput comes from processes: WEB_CONCURRENCY workers, default 2 per CPU core (measured
-in docs/benchmarks.md, "API"). Without REDIS_URL the channel layer lives in memory and cannot
+one URL. Each request's sync code (middleware and view: diloco_platform/asgi_handler.py) runs
+on a thread of its own, but one worker's threads share its GIL, so throughput comes from
+processes: WEB_CONCURRENCY workers, default 2 per CPU core (measured in docs/api.md,
+"Benchmark"). Without REDIS_URL the channel layer lives in memory and cannot
 fan out between processes (a dashboard on one worker would miss the events another received),
 so the embedded default runs exactly one worker.
 
 Keep CONN_MAX_AGE at 0 here: Django runs each ASGI request's sync code on a thread of its own,
 so a persistent connection is left behind per request thread (measured: 51 idle PostgreSQL
 backends after 60 requests with CONN_MAX_AGE=60, until the server ran out of connections).
+The workers use a connection pool instead (DB_POOL, on by default here: `web_db_pool`).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 
@@ -26,7 +29,16 @@ def web_workers(env: Mapping[str, str] = os.environ, cpus: int | None = None) ->
     return max(1, 2 * (cpus or os.cpu_count() or 1))
 
 
+def web_db_pool(env: Mapping[str, str] = os.environ) -> list[str]:
+    """gunicorn's raw_env for the workers: the PostgreSQL connection pool on (DB_POOL=1) unless
+    DB_POOL or CONN_MAX_AGE is set, or psycopg_pool is missing. Nothing changes in the importer."""
+    if "DB_POOL" in env or env.get("CONN_MAX_AGE", "0") not in ("", "0"):
+        return []
+    return ["DB_POOL=1"] if importlib.util.find_spec("psycopg_pool") else []
+
+
 worker_class = "uvicorn_worker.UvicornWorker"
+raw_env = web_db_pool()
 workers = web_workers()
 # A request that takes longer than this is stuck: the worker is replaced (websockets are not
 # affected: the uvicorn worker's event loop keeps notifying the arbiter while they stay open).

@@ -133,6 +133,15 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # A connection pool per process (psycopg_pool, Django's OPTIONS["pool"]): the web process
+    # turns it on (gunicorn_conf), since under ASGI each request runs on a thread of its own and
+    # would otherwise open a PostgreSQL connection of its own (docs/configuration.md, DB_POOL).
+    if env.bool("DB_POOL", default=False):
+        if DATABASES["default"]["CONN_MAX_AGE"]:
+            raise SystemExit("DB_POOL and CONN_MAX_AGE exclude each other: set one of them")
+        from diloco_platform.db_pool import pool_options
+
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = pool_options(env)
 
 # REDIS / CELERY / CHANNELS
 REDIS_URL = env.str("REDIS_URL", default="")

@@ -61,7 +61,7 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     t.add_argument("--devices-per-learner", type=int, default=1,
                    help="processes (devices) per learner: an island, data-parallel inside (trainer.island)")
     t.add_argument("--inner-parallelism", choices=("ddp", "fsdp"), default="ddp",
-                   help="how an island's ranks share the inner steps (ddp only for now)")
+                   help="how an island's ranks share the inner steps: ddp replicas or fsdp (FSDP2) shards")
 
     c = sub.add_parser(
         "compare",
@@ -274,10 +274,8 @@ def _train_islands(args: argparse.Namespace, config: TrainConfig, progress) -> d
 
     if args.devices_per_learner < 1:
         raise ValueError("--devices-per-learner: must be >= 1")
-    if args.inner_parallelism != "ddp":
-        raise ValueError("--inner-parallelism: islands run ddp for now (docs/runtime.md)")
     return run_islands(config, args.strategy, devices=args.devices_per_learner, progress=progress,
-                       speeds=args.speeds)
+                       speeds=args.speeds, parallelism=args.inner_parallelism)
 
 
 def _compare(args: argparse.Namespace, config: TrainConfig) -> int:

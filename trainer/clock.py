@@ -1,7 +1,9 @@
-"""Clocks: the engine never reads time itself, it asks a clock handed in from outside.
+"""Clocks: the engine and the runtime loops never read time themselves, they ask a `Clock`
+handed in from outside (one interface for the engine `Syncer`, `LearnerLoop` and `SyncerLoop`).
 
-`WallClock` is what the runtime uses; `ManualClock` is what tests and the simulator use, so
-a run driven by a `ManualClock` is fully deterministic.
+`WallClock` is what the runtime uses (the loops' default); `ManualClock` is what the tests,
+`LocalRun` and the simulator (`trainer/sim/diloco.py`, which sets it to each event's virtual
+time) use, so a run driven by a `ManualClock` is fully deterministic.
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ fragment: the fragment's weights and base; a resumed checkpoint: the whole learn
 as safetensors bytes, never pickle). So the pseudo-gradient is computed once, on rank 0,
 and the followers never diverge. Collectives time out, so a dead rank fails the others
 instead of hanging them; the platform then re-places the learner whole.
+
+This module is the DDP island; `inner_parallelism: fsdp` (each rank a shard) is
+trainer.island_fsdp.ShardedIsland, on the same start, commands and teardown.
+`trainer.island_kind.make_island` picks.
 """
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import TrainConfig
-from trainer.data import Corpus
 from trainer.learner import Learner, StepResult
 
 log = logging.getLogger(__name__)
@@ -99,16 +102,20 @@ class _Loss(nn.Module):
 
 
 class IslandLearner(Learner):
-    """One rank of an island: the engine Learner, its loss through DDP over `group`.
+    """One rank of an island: the engine Learner, its loss through DDP over `group`
+    (trainer.island_fsdp.ShardedIsland is the FSDP2 one; trainer.island_kind.make_island picks).
 
     `ranks` lists the island's global ranks, its leader first. The leader is driven by a
     LearnerLoop like any learner; a follower runs `follow()` until the leader says stop.
     """
 
+    parallelism = "ddp"
+
     def __init__(self, config: TrainConfig, index: int, *, ranks: list[int], group=None,
                  parallelism: str = "ddp", timeout_s: float | None = None, **kwargs) -> None:
-        if parallelism != "ddp":
-            raise ValueError(f"inner_parallelism {parallelism!r}: islands run ddp (docs/runtime.md)")
+        if parallelism != self.parallelism:
+            raise ValueError(f"inner_parallelism {parallelism!r}: use make_island (this class runs "
+                             f"{self.parallelism})")
         super().__init__(config, index, **kwargs)
         self.ranks = list(ranks)
         self.group = group
@@ -119,18 +126,25 @@ class IslandLearner(Learner):
         self.comm = self.device if backend_for(self.device) == "nccl" else torch.device("cpu")
         self.stream = SliceStream(self.stream, self.rank, self.world)
         self.data_ranks = self.world
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        # DDP broadcasts rank 0's weights at construction: every replica starts equal
-        self.ddp = DistributedDataParallel(_Loss(self.model), device_ids=ids, process_group=group,
-                                           forward_sync_buffers=False)
-        self.forward_loss = self.ddp
+        self._wrap()
         self._full = True  # the whole state goes out before the first step
         self._dirty: set[int] = set()
         self.closed = False
 
+    def _wrap(self) -> None:
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        # DDP broadcasts rank 0's weights at construction: every replica starts equal
+        self.ddp = DistributedDataParallel(_Loss(self.model), device_ids=ids, process_group=self.group,
+                                           forward_sync_buffers=False)
+        self.forward_loss = self.ddp
+
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def _contribute(self, p: int) -> None:
+        if self.is_leader:  # only the leader contributes: the pseudo-gradient is computed once
+            super()._contribute(p)
 
     # ---------------------------------------------------------------- leader: what changed
     @torch.no_grad()
@@ -210,8 +224,6 @@ class IslandLearner(Learner):
         if self.is_leader:
             self._command(_STEP)
         res = super().step()
-        if not self.is_leader:
-            self._due.clear()  # only the leader contributes
         loss = torch.tensor([res.loss], dtype=torch.float64, device=self.comm)
         dist.all_reduce(loss, group=self.group)
         self.last_loss = float(loss.item()) / self.world
@@ -258,14 +270,6 @@ def make_groups(layout: list[list[int]]) -> list:
     if len(layout) == 1 and len(layout[0]) == world:
         return [None]
     return [dist.new_group(ranks) for ranks in layout]
-
-
-def follower(config: TrainConfig, index: int, ranks: list[int], group, corpus: Corpus, *,
-             num_learners: int | None = None, job: str = "local", incarnation: int = 0,
-             parallelism: str = "ddp", timeout_s: float | None = None) -> IslandLearner:
-    return IslandLearner(config, index, ranks=ranks, group=group, parallelism=parallelism,
-                         timeout_s=timeout_s, corpus=corpus, num_learners=num_learners, job=job,
-                         incarnation=incarnation)
 
 
 def teardown() -> None:

@@ -9,12 +9,12 @@ from trainer.config import TrainConfig
 from trainer.data import Corpus
 from trainer.island import (
     DEFAULT_TIMEOUT_S,
-    IslandLearner,
     island_device,
     island_layout,
     make_groups,
     teardown,
 )
+from trainer.island_kind import make_island
 from trainer.learner import load_corpus
 from trainer.runtime.island_rank import IslandSpec, start
 from trainer.train import LocalRun
@@ -38,8 +38,8 @@ def run_islands(config: TrainConfig, strategy: str = "decoupled", *, devices: in
     try:
         groups = make_groups(layout)
         run = LocalRun(config, strategy, corpus=corpus, speeds=speeds, progress=progress)
-        run.learners = [IslandLearner(config, m, ranks=ranks, group=groups[m], parallelism=parallelism,
-                                      timeout_s=timeout_s, corpus=corpus, job=run.job)
+        run.learners = [make_island(config, m, ranks=ranks, group=groups[m], parallelism=parallelism,
+                                     timeout_s=timeout_s, corpus=corpus, job=run.job)
                         for m, ranks in enumerate(layout)]
         report = run.run()
         for learner in run.learners:

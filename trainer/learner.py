@@ -388,10 +388,7 @@ class Learner:
             "version": STATE_VERSION,
             "index": self.index,
             "incarnation": self.incarnation,
-            # copies in host memory: torch hands out live tensors (the optimizer's moments too),
-            # and a checkpoint must not move on with training
-            "model": _cpu_copy(self.model.state_dict()),
-            "optimizer": _cpu_copy(self.optimizer.state_dict()),
+            **self._weights_state(),
             "stream": self.stream.state_dict(),
             "adopted_versions": dict(self.adopted_versions),
             "base": _cpu_copy(self.base),
@@ -406,6 +403,20 @@ class Learner:
             "due": [c.to_state() for c in self._due],
         }
 
+    def _weights_state(self) -> dict:
+        """The model's and the optimizer's state as whole tensors in host memory (an FSDP island
+        gathers its shards here: trainer.island_fsdp)."""
+        # copies in host memory: torch hands out live tensors (the optimizer's moments too),
+        # and a checkpoint must not move on with training
+        return {"model": _cpu_copy(self.model.state_dict()),
+                "optimizer": _cpu_copy(self.optimizer.state_dict())}
+
+    def _load_weights(self, model: dict, optimizer: dict) -> None:
+        self.model.load_state_dict(model)
+        # torch keeps the given tensors as the live state: copy, so that restoring one state into
+        # several learners (or training on after a restore) leaves the state and the others alone
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer))
+
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"learner state version {state.get('version')!r} is not {STATE_VERSION}")
@@ -413,10 +424,7 @@ class Learner:
             raise ValueError(f"state of learner {state['index']} loaded into learner {self.index}")
         if len(state["base"]) != len(self.fragments):
             raise ValueError("state has a different number of fragments")
-        self.model.load_state_dict(state["model"])
-        # torch keeps the given tensors as the live state: copy, so that restoring one state into
-        # several learners (or training on after a restore) leaves the state and the others alone
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self._load_weights(state["model"], state["optimizer"])
         self.stream.load_state_dict(state["stream"])
         self.adopted_versions = {int(p): int(v) for p, v in state["adopted_versions"].items()}
         self.base = {
@@ -438,8 +446,8 @@ class Learner:
             self._sent_counts = {int(p): [int(a), int(b)] for p, (a, b) in state["sent_counts"].items()}
             self._due = [Contribution.from_state(d) for d in state["due"]]
         else:
-            # A new incarnation: what the old one sent is fenced out by the syncer, so nothing is
-            # outstanding; the progress since the adopted base goes out with the next contribution.
+            # A new incarnation loaded as itself (LearnerLoop loads as the writer instead): nothing
+            # is outstanding; the progress since the adopted base goes out with the next contribution.
             self._sent = dict.fromkeys(range(len(self.fragments)))
             self._sent_counts = {p: [0, 0] for p in range(len(self.fragments))}
             self._due = []

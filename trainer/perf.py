@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from trainer.clock import WallClock
 from trainer.compression import decode, encode
 from trainer.config import TrainConfig
 from trainer.data import TokenStream
@@ -142,7 +143,7 @@ def bench_syncer(model: str, contributions: int, repeats: int) -> dict:
         for _ in range(contributions)
     ]
     contribs = [Contribution("bench", m, 0, 0, 0, 1000 + m, 10, deltas[m]) for m in range(contributions)]
-    syncer = Syncer(cfg, params, clock=_Clock(), job="bench")
+    syncer = Syncer(cfg, params, clock=WallClock(), job="bench")
     round_no = [0]
 
     def submit_all() -> None:
@@ -203,11 +204,6 @@ def bench_syncer(model: str, contributions: int, repeats: int) -> dict:
         "decode_none_gbps": one / dec_s["none"],
         "decode_int4_gbps": one / dec_s["int4"],
     }
-
-
-class _Clock:
-    def now(self) -> float:
-        return time.monotonic()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,7 +106,8 @@ class JobSpec(BaseModel):
         1, ge=1, le=64, description="devices (processes) of one learner, all on one node: an island "
         "training data-parallel inside (trainer.island)")
     inner_parallelism: InnerParallelism = Field(
-        "ddp", description="how an island's devices share the inner steps (ddp; fsdp is not run yet)")
+        "ddp", description="how an island's devices share the inner steps: ddp (replicas) or fsdp "
+        "(FSDP2: each device holds a shard of the weights and moments)")
     seed: int = Field(_D["seed"], ge=0, le=2**31 - 1)
 
     @field_validator("name")
@@ -167,9 +168,6 @@ class JobSpec(BaseModel):
         if self.batch_size % self.devices_per_learner:
             raise ValueError("devices_per_learner: must divide batch_size (each device reads its share "
                              "of the learner's batch)")
-        if self.inner_parallelism == "fsdp" and self.devices_per_learner > 1:
-            raise ValueError("inner_parallelism: islands run ddp for now; fsdp is not supported yet "
-                             "(docs/runtime.md)")
         if self.syncer_shards > self.fragments:
             raise ValueError("syncer_shards: must not exceed fragments (a shard merges whole fragments)")
         lo = self.min_learners or self.learners

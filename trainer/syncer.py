@@ -2,7 +2,7 @@
 
 Merge rule for fragment p (see docs/engine.md for the full text):
 
-1. Validation on `submit`: job, fence (incarnation), fragment range, duplicate key,
+1. Validation on `submit`: job, fragment range, duplicate key,
    base version not in the future, staleness bound, tensor names / shapes / dtypes,
    finite values, checksum. A rejected contribution leaves the state untouched and is
    counted in `rejections` by reason.
@@ -39,11 +39,12 @@ Merge rule for fragment p (see docs/engine.md for the full text):
 
 Idempotency: every applied key (learner, incarnation, fragment, base_version) is remembered
 (keys that the staleness bound would refuse anyway are pruned), and `state_dict()` carries
-them, so a syncer restored from a checkpoint never applies a contribution twice. Fencing: a
-contribution from an incarnation older than the newest seen (or fenced) for its learner is
-refused, and `fence()` drops pending ones from older incarnations. A caller that fences with
-finer knowledge (the runtime: token ranges against the successor's resume point) builds the
-syncer with `fence_incarnations=False` and `withdraw()`s what its own rule refuses.
+them, so a syncer restored from a checkpoint never applies a contribution twice. Fencing is
+not the engine's: its driver (`trainer.runtime.syncer_loop.SyncerLoop`: token ranges against
+the successor's resume point) admits what counts and `withdraw()`s what its rule refuses later.
+
+The module is over 500 lines because it is one rule: validation, rounds, weights, the outer
+step, publication and state share the same per-fragment bookkeeping.
 """
 
 from __future__ import annotations
@@ -141,14 +142,10 @@ class Syncer:
         initial: dict[str, torch.Tensor] | nn.Module,
         clock: Clock,
         job: str = "local",
-        fence_incarnations: bool = True,
     ) -> None:
         self.config = config
         self.clock = clock
         self.job = job
-        # False: the caller fences (the runtime does it from token ranges and resume points, and
-        # withdraws what its rule refuses), so a predecessor's finished work is not lost.
-        self.fence_incarnations = fence_incarnations
         named = dict(initial.named_parameters()) if isinstance(initial, nn.Module) else dict(initial)
         self.fragments = make_fragments(named, config.fragments, config.fragment_mode)
         self.fragment_of = {n: p for p, names in enumerate(self.fragments) for n in names}
@@ -195,10 +192,7 @@ class Syncer:
             reason, norms = self._check_tensors(c)
         if reason is not None:
             return self._reject(reason)
-        newest = self.incarnations.get(c.learner, 0)
-        if c.incarnation > newest and self.fence_incarnations:
-            self.fence(c.learner, c.incarnation)
-        self.incarnations[c.learner] = max(newest, c.incarnation)
+        self.incarnations[c.learner] = max(self.incarnations.get(c.learner, 0), c.incarnation)
         last = self._last_arrival.get((c.learner, c.fragment))
         if last is not None and now > last:
             self.xi_step.update((now - last) / c.inner_steps)
@@ -217,8 +211,6 @@ class Syncer:
         """Why the contribution's identity and counts are refused (None: they are fine)."""
         if c.job != self.job:
             return f"wrong_job: {c.job!r} is not {self.job!r}"
-        if c.incarnation < self.incarnations.get(c.learner, 0) and self.fence_incarnations:
-            return f"fenced: incarnation {c.incarnation} of learner {c.learner} is superseded"
         if not 0 <= c.fragment < len(self.fragments):
             return f"bad_fragment: {c.fragment}"
         if c.key in self.applied:
@@ -255,22 +247,8 @@ class Syncer:
             return "checksum: payload does not match its checksum", None
         return None, torch.stack(norms).tolist()
 
-    def fence(self, learner: int, incarnation: int) -> None:
-        """Refuse contributions of `learner` from incarnations older than `incarnation`."""
-        if incarnation > self.incarnations.get(learner, 0):
-            self.incarnations[learner] = incarnation
-        for rnd in self._rounds.values():
-            for key in [
-                k
-                for k, v in rnd.pending.items()
-                if v.contribution.learner == learner and v.contribution.incarnation < incarnation
-            ]:
-                del rnd.pending[key]
-                self.rejections["fenced"] = self.rejections.get("fenced", 0) + 1
-            self._recheck_quorum(rnd)
-
     def withdraw(self, key: tuple) -> bool:
-        """Take a pending contribution back out (the caller's fencing refused it after all)."""
+        """Take a pending contribution back out (the driver's fencing refused it after all)."""
         rnd = self._rounds.get(key[2])  # key: (learner, incarnation, fragment, base_version)
         if rnd is None or key not in rnd.pending:
             return False

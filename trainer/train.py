@@ -200,7 +200,7 @@ class LocalRun:
     """diloco / decoupled in one process: learners, syncer and a virtual clock.
 
     `state_dict()` / `load_state_dict()` checkpoint the whole run (every learner, the syncer,
-    the clock and the report so far); `trainer.checkpoint.state_to_bytes` turns it into bytes.
+    the clock and the report so far); `trainer.runtime.codec.pack` turns it into bytes.
     """
 
     def __init__(

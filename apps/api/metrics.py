@@ -44,7 +44,8 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
                      f"WHERE l.job_id = %s AND l.{qn('index')} = %s)")
         params += [job.pk, learner]
     postgres = connection.vendor == "postgresql"
-    newest = "EXTRACT(EPOCH FROM MAX(s.time))" if postgres else "MAX(s.time)"
+    # EXTRACT gives numeric, which psycopg would load as a Decimal per row: ask for a double
+    newest = "CAST(EXTRACT(EPOCH FROM MAX(s.time)) AS DOUBLE PRECISION)" if postgres else "MAX(s.time)"
     sql = f"""
         WITH s AS (
             SELECT m.name AS name, m.learner_id AS lid, m.step AS step, m.value AS value, m.time AS time,

@@ -11,6 +11,7 @@ from apps.jobs.access import team_error, team_names
 from apps.jobs.models import Checkpoint, Event, Incident, Job, Learner
 from trainer.spec import stored_spec
 
+from .fast_output import FastOutputMixin
 from .models import ApiToken
 
 _SLUG = r"^[-a-zA-Z0-9_]+$"
@@ -113,7 +114,7 @@ class JobSubmitSerializer(StrictSerializerMixin, serializers.Serializer):
         return value
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(FastOutputMixin, serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
     total_tokens = serializers.SerializerMethodField()
     tokens_done = serializers.SerializerMethodField(
@@ -129,8 +130,13 @@ class JobSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_total_tokens(self, job) -> int:
-        spec = stored_spec(job.spec)
-        return spec.total_tokens if spec else 0
+        # progress needs it too: the stored spec is validated once per spec object (a reload
+        # of the job brings a new one)
+        memo = job.__dict__.get("_api_total_tokens")
+        if memo is None or memo[0] is not job.spec:
+            spec = stored_spec(job.spec)
+            memo = job.__dict__["_api_total_tokens"] = (job.spec, spec.total_tokens if spec else 0)
+        return memo[1]
 
     def get_tokens_done(self, job) -> int:
         live = getattr(job, "learner_tokens", None)

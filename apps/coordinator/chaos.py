@@ -6,6 +6,9 @@ Sequence on the chaos run (each step waits for the platform to heal before the n
   3. SIGKILL Redis (broker + channel layer) and start it again (a private redis-server, so
      nobody else's Redis is touched; skipped when redis-server is not installed)
   4. drain the pool of learner 1
+With `islands` (chaos_drill --islands), then on a stack of one 4-slot CPU node: a job of 2
+learners x 2 processes (gloo), SIGKILL of one follower rank of learner 0: the learner is failed
+and placed again whole, the other learner keeps its incarnation (report["island"]).
 The report (JSON) has per incident the time to detect and to heal, the global downtime
 (longest stretch without an outer step, and time lost to stretches longer than 3x the median
 spacing), tokens computed / contributed / lost, contributions applied twice (from the
@@ -15,7 +18,9 @@ the failure-free run.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -38,6 +43,24 @@ QUICK_SPEC = {
     "checkpoint_interval": 50, "grace_cap_s": 0.5, "seed": 3,
 }
 FULL_SPEC = {**QUICK_SPEC, "learners": 3, "quorum": 2, "steps": 1200, "fragments": 2, "inner_steps": 12}
+ISLAND_SPEC = {**QUICK_SPEC, "name": "chaos drill (islands)", "devices_per_learner": 2, "quorum": 1,
+               "steps": 400}
+
+
+def island_follower_pids(job_id: int, index: int) -> list[int]:
+    """Pids of the follower ranks of learner `index` of job `job_id` (their command line names them)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "trainer.runtime.island_rank" in cmd and f'"job": "{job_id}"' in cmd \
+                and f'"islands": [[{index}, ' in cmd:
+            out.append(int(entry.name))
+    return out
 
 
 def duplicate_details(job) -> list[dict]:
@@ -72,8 +95,9 @@ def downtime(job) -> dict:
 
 
 class Drill:
-    def __init__(self, quick: bool = True, tmp: str | None = None, log=print):
+    def __init__(self, quick: bool = True, tmp: str | None = None, log=print, islands: bool = False):
         self.quick = quick
+        self.islands = islands
         self.spec = dict(QUICK_SPEC if quick else FULL_SPEC)
         self.tmp = Path(tmp or tempfile.mkdtemp(prefix="chaos-drill-"))
         self.log = log
@@ -85,13 +109,13 @@ class Drill:
                                                         defaults={"email": "chaos@localhost"})
         return user
 
-    def submit(self, stack: Stack, name: str) -> Job:
+    def submit(self, stack: Stack, name: str, spec: dict | None = None) -> Job:
         from apps.jobs.services import submit_job
         from diloco_platform.celery import app
 
         from .tasks import reconcile_job
 
-        job, _ = submit_job(self.owner(), {**self.spec, "name": name})
+        job, _ = submit_job(self.owner(), {**(spec or self.spec), "name": name})
         with app.connection_for_write(stack.redis_url) as conn:  # the stack's own broker
             reconcile_job.apply_async((job.pk,), connection=conn)
         return job
@@ -126,7 +150,45 @@ class Drill:
         finally:
             if redis:
                 redis.kill()
+        if self.islands:
+            with Stack(self.tmp / "islands", pools={"alpha": 4}) as stack:  # one node: 2 learners x 2
+                self.report["island"] = self._island(stack)
         return self.report
+
+    def _island(self, stack: Stack) -> dict:
+        """kill -9 of one follower rank: its learner is failed and placed again whole."""
+        timeout = 240 if self.quick else 900
+        self.log("islands run ...")
+        job = self.submit(stack, ISLAND_SPEC["name"], ISLAND_SPEC)
+        stack.wait_for(lambda: Job.objects.get(pk=job.pk).outer_steps >= 2
+                       and island_follower_pids(job.pk, 0),
+                       timeout=120, what="outer steps with the islands up")
+        before = dict(Learner.objects.filter(job=job).values_list("index", "incarnation"))
+        victim = island_follower_pids(job.pk, 0)[0]
+        t0 = time.time()
+        os.kill(victim, signal.SIGKILL)
+        back = stack.wait_for(lambda: Learner.objects.filter(
+            job=job, index=0, incarnation__gt=before[0], state=Learner.State.RUNNING,
+            last_heartbeat__isnull=False).first() if island_follower_pids(job.pk, 0) else None,
+            timeout=120, what="learner 0 placed again with a new island")
+        self.step("kill -9 island rank", t0, pid=victim,
+                  recovery_s=round(back.last_heartbeat.timestamp() - t0, 3))
+        job = self.wait_end(stack, job, timeout)
+        incident = Incident.objects.filter(job=job, kind="island_rank_lost").first()
+        other = Learner.objects.get(job=job, index=1)
+        return {
+            "job": job.pk, "status": job.status, "spec": ISLAND_SPEC,
+            "killed_rank_pid": victim,
+            "incident": None if incident is None else {
+                "learner": incident.learner.index if incident.learner else None,
+                "failed_pids": incident.details.get("failed_pids"),
+                "time_to_detect_s": round(incident.time_to_detect_s, 3),
+                "time_to_heal_s": round(incident.time_to_heal_s, 3) if incident.healed_at else None},
+            "learner_0_incarnations": [before[0], Learner.objects.get(job=job, index=0).incarnation],
+            "other_learner_restarted": other.incarnation != before[1],
+            "final_val_loss": job.final_val_loss,
+            "duplicates_applied": duplicates_applied(job),
+        }
 
     def _run(self, stack: Stack, redis: RedisServer | None) -> None:
         timeout = 240 if self.quick else 900
@@ -228,8 +290,9 @@ class Drill:
         })
 
 
-def run_drill(quick: bool = True, json_path: str | None = None, tmp: str | None = None, log=print) -> dict:
-    report = Drill(quick=quick, tmp=tmp, log=log).run()
+def run_drill(quick: bool = True, json_path: str | None = None, tmp: str | None = None, log=print,
+              islands: bool = False) -> dict:
+    report = Drill(quick=quick, tmp=tmp, log=log, islands=islands).run()
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))
     return report

@@ -223,16 +223,17 @@ def _engine(job, spec, config, data, index: int, incarnation: int):
               "num_learners": _shards(spec, index)}
     if spec.devices_per_learner <= 1:
         return EngineLearner(config, index, **kwargs), None
-    from trainer.island import IslandLearner, island_device, teardown
+    from trainer.island import island_device, teardown
+    from trainer.island_kind import make_island
     from trainer.runtime.island_rank import start
 
     ispec = _island_spec(job, spec, config, index, incarnation)
     with _starting(job.pk, index, incarnation):
         followers = start(ispec)  # rendezvous on 127.0.0.1; returns once every rank has joined
         try:
-            engine = IslandLearner(config.replace(device=island_device(config.device, 0)), index,
-                                   ranks=list(range(ispec.world)), parallelism=spec.inner_parallelism,
-                                   timeout_s=ispec.timeout_s, **kwargs)
+            engine = make_island(config.replace(device=island_device(config.device, 0)), index,
+                                 ranks=list(range(ispec.world)), parallelism=spec.inner_parallelism,
+                                 timeout_s=ispec.timeout_s, **kwargs)
         except Exception:
             teardown()
             followers.kill()

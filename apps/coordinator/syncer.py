@@ -271,7 +271,7 @@ class SyncerRun(DjangoSyncerHost):
 
         torch.set_num_threads(1)
         model = self.eval_model = self._build_model()
-        engine = Syncer(self.config, model, WallClock(), job=str(self.job_id), fence_incarnations=False)
+        engine = Syncer(self.config, model, WallClock(), job=str(self.job_id))
         self.loop = SyncerLoop(engine, self.store, self, job=self.job_id, epoch=self.epoch, shard=self.shard,
                                shards=self.shards, eval_interval=self.spec.eval_interval,
                                checkpoint_interval=self.spec.checkpoint_interval,

@@ -21,6 +21,23 @@ from apps.jobs.models import Job, Learner, MetricPoint
 # Series whose per-learner points add up to a job figure (the others are averaged).
 SUMMED = frozenset({"tokens_per_s", "bytes_sent"})
 CHART_SERIES = ("train_loss", "val_loss", "tokens_per_s", "goodput", "bytes_sent", "outer_step_norm")
+RANK_FIGURES = ("cpu", "util")  # per-rank device figures an island's rank 0 reports (trainer.island)
+
+
+def rank_series(job: Job) -> list[str]:
+    """The per-rank series of a job whose learners are islands (rank0_cpu, rank1_util, ...)."""
+    try:
+        ranks = int((job.spec or {}).get("devices_per_learner") or 1)
+    except (TypeError, ValueError):
+        return []
+    if ranks < 2:
+        return []
+    return [f"rank{r}_{fig}" for fig in RANK_FIGURES for r in range(ranks)]
+
+
+def job_chart_series(job: Job) -> tuple[str, ...]:
+    """Every series the job page charts: the job's figures, and its islands' ranks if any."""
+    return CHART_SERIES + tuple(rank_series(job))
 
 
 def visible_jobs(user) -> QuerySet[Job]:

@@ -1,4 +1,9 @@
-"""Server-rendered dashboard pages. Live parts update over /ws/jobs/<id>/ and /ws/fleet/."""
+"""Server-rendered dashboard pages. Live parts update over /ws/jobs/<id>/ and /ws/fleet/.
+
+Over 500 lines because it holds every page's view in one place, each short and alike (a query,
+a permission check, a template); the page-specific logic lives in data.py, compare.py,
+markers.py and job_filters.py.
+"""
 from __future__ import annotations
 
 import io
@@ -397,7 +402,7 @@ def _timeline(job: Job, outer_steps: list[dict]) -> list[dict]:
 def job_detail(request, pk):
     job = get_object_or_404(data.visible_jobs(request.user).select_related("owner"), pk=pk)
     learners = list(job.learners.select_related("pool", "node").order_by("index"))
-    series = data.downsample([job.pk], data.CHART_SERIES, JOB_CHART_BUCKETS)[job.pk]
+    series = data.downsample([job.pk], data.job_chart_series(job), JOB_CHART_BUCKETS)[job.pk]
     chart_data = {name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()}
     pools_here = sorted({lr.pool for lr in learners if lr.pool is not None}, key=lambda p: p.slug)
     outer_steps = _recent_outer_steps(job)
@@ -414,6 +419,7 @@ def job_detail(request, pk):
         "checkpoints": list(job.checkpoints.order_by("-version")[:50]),
         "syncer_shards": SyncerLease.shards_of(job),
         "chart_data": chart_data,
+        "rank_series": data.rank_series(job),
         "demo_chaos": demo_chaos_enabled() and request.user.is_staff,
         "pools_here": pools_here,
         "goodput": goodput,
@@ -427,8 +433,8 @@ def job_detail(request, pk):
 @login_required
 def job_series(request, pk):
     """The job's downsampled chart series (the job page refetches it after a reconnect)."""
-    job = get_object_or_404(data.visible_jobs(request.user).only("pk"), pk=pk)
-    series = data.downsample([job.pk], data.CHART_SERIES, JOB_CHART_BUCKETS)[job.pk]
+    job = get_object_or_404(data.visible_jobs(request.user).only("pk", "spec"), pk=pk)
+    series = data.downsample([job.pk], data.job_chart_series(job), JOB_CHART_BUCKETS)[job.pk]
     return JsonResponse({name: [[x, t, v] for x, t, v in pts] for name, pts in series.items()})
 
 

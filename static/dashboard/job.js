@@ -83,6 +83,8 @@ const COLORS = {
   tokens_per_s: color("--c3", "#059669"), goodput: color("--c4", "#7c3aed"),
   bytes_sent: color("--c5", "#d97706"),
 };
+// series without a colour of their own (an island's ranks) take these in turn
+const PALETTE = [COLORS.train_loss, COLORS.val_loss, COLORS.tokens_per_s, COLORS.goodput, COLORS.bytes_sent];
 const axisColor = color("--muted", "#888");
 const gridColor = color("--grid", "rgba(128,128,128,.15)");
 
@@ -113,7 +115,8 @@ function makeChart(elId, names, xKey, opts = {}) {
   const seriesOpts = [{ label: xKey === "time" ? "time" : "tokens", value: xKey === "time" ? undefined : (u, v) => fmtSI(v) }];
   for (const n of names) {
     seriesOpts.push({
-      label: n.replace(/_/g, " "), stroke: COLORS[n], width: 1.5, spanGaps: true,
+      label: n.replace(/_/g, " "), stroke: COLORS[n] || PALETTE[(seriesOpts.length - 1) % PALETTE.length],
+      width: 1.5, spanGaps: true,
       scale: opts.scales && opts.scales[n] ? opts.scales[n] : "y",
       value: (u, v) => (v === null || v === undefined ? "—" : n === "bytes_sent" ? fmtBytes(v) : fmtSI(v)),
     });
@@ -158,6 +161,8 @@ makeChart("chart-loss-time", ["train_loss", "val_loss"], "time");
 makeChart("chart-tps", ["tokens_per_s"], "time");
 makeChart("chart-goodput", ["goodput", "bytes_sent"], "time",
   { scales: { bytes_sent: "bytes" }, rightAxis: "bytes" });
+const ranksEl = document.getElementById("chart-ranks");
+if (ranksEl) makeChart("chart-ranks", ranksEl.dataset.names.split(","), "time");
 
 new ResizeObserver(() => {
   for (const c of charts) c.u.setSize({ width: Math.max(240, c.el.clientWidth), height: 220 });

@@ -253,6 +253,7 @@ def test_reconnects_after_server_restart(dash, alice, fleet):
     # the server dies: the indicator must stop claiming "live" (failed reconnects are expected).
     # It stays down until the checks are made, so the page cannot reconnect before we look.
     dash.allowed_console_errors.append(re.compile(r"WebSocket connection to .* failed"))
+    dash.wait_for_load_state("networkidle")  # the page's own first fetches (markers, ...) are done
     live.kill()
     expect(indicator).to_have_attribute("data-state", "reconnecting")
     # ... and points stored while the page was away (another web process) are fetched on reconnect

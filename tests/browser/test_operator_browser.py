@@ -34,7 +34,8 @@ def world(transactional_db, staff_user, alice, bob):
                                             ("gamma", bob, a100, "running", "vision"),
                                             ("delta", bob, h100, "queued", "")):
         job = Job.objects.create(owner=owner, name=name, status=status, team=team,
-                                 spec={"name": name, "learners": 2, "strategy": "decoupled"},
+                                 spec={"name": name, "learners": 2, "strategy": "decoupled",
+                                       **({"devices_per_learner": 2} if name == "gamma" else {})},
                                  started_at=now - timedelta(minutes=30) if status != "queued" else None,
                                  tokens_computed=40_000, tokens_contributed=36_000, outer_steps=8)
         for i in range(2):
@@ -45,6 +46,10 @@ def world(transactional_db, staff_user, alice, bob):
             MetricPoint(job=job, name="train_loss", step=2000 * k, value=5.0 - 0.1 * k,
                         time=now - timedelta(seconds=60 - 2 * k)) for k in range(30)])
         jobs[name] = job
+    MetricPoint.objects.bulk_create([  # gamma's learners are islands of 2 ranks: per-rank CPU figures
+        MetricPoint(job=jobs["gamma"], learner=lr, name=f"rank{r}_cpu", step=2000 * k, value=0.9 - 0.1 * r,
+                    time=now - timedelta(seconds=60 - 2 * k))
+        for lr in jobs["gamma"].learners.all() for r in range(2) for k in range(30)])
     Incident.objects.create(job=jobs["alpha"], pool=h100, kind="learner_lost", description="worker killed",
                             failed_at=now - timedelta(minutes=5), detected_at=now - timedelta(minutes=5),
                             healed_at=now - timedelta(minutes=4))
@@ -72,7 +77,7 @@ def test_job_filters_survive_a_reload_and_a_shared_link(dash, world, context):
     dash.locator("#f-owner").select_option("alice")
     dash.locator("#f-team").select_option("vision")
     dash.get_by_label("Search jobs").fill("alp")
-    dash.get_by_role("button", name="Filter").click()
+    dash.get_by_role("button", name="Search").click()
     dash.wait_for_url(re.compile(r"owner=alice"))
     assert _query(dash.url) == {"owner": ["alice"], "team": ["vision"], "q": ["alp"]}
     expect(rows).to_have_count(1)
@@ -88,7 +93,7 @@ def test_job_filters_survive_a_reload_and_a_shared_link(dash, world, context):
     dash.locator("#f-owner").select_option("")
     dash.get_by_label("Search jobs").fill("")
     dash.locator("#f-pool").select_option("a100-west")
-    dash.get_by_role("button", name="Filter").click()
+    dash.get_by_role("button", name="Search").click()
     dash.wait_for_url(re.compile(r"pool=a100-west"))
     expect(rows).to_have_count(1)  # gamma: vision, on a100-west
     dash.locator("a.chip", has_text="Completed").click()
@@ -155,3 +160,5 @@ def test_favicon_and_no_console_errors_on_any_page(dash, world):
         visited.append(path)
         assert not dash.console_errors, f"{path}: {dash.console_errors}"
     assert len(visited) == len(pages)
+    dash.goto(f"{live.url}/jobs/{jobs['gamma'].pk}/")  # an island job charts its ranks
+    expect(dash.locator("#chart-ranks")).to_have_attribute("data-points", re.compile(r"^[1-9]\d*$"))

@@ -103,6 +103,22 @@ def test_job_page_contents(client, alice, job_factory):
 
 
 @pytest.mark.django_db
+def test_an_island_jobs_page_charts_its_ranks(client, alice, job_factory):
+    job = job_factory(alice, name="islands")
+    lrs = list(job.learners.all())
+    _points(job, 40, name="rank1_cpu", learners=lrs)
+    client.force_login(alice)
+    assert 'id="chart-ranks"' not in client.get(f"/jobs/{job.pk}/").content.decode()  # one device each
+    job.spec = {**job.spec, "devices_per_learner": 2}
+    job.save(update_fields=["spec"])
+    body = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'data-names="rank0_cpu,rank1_cpu,rank0_util,rank1_util"' in body
+    data = json.loads(body.split('<script id="chart-data" type="application/json">')[1].split("</script>")[0])
+    assert len(data["rank1_cpu"]) == 40
+    assert len(client.get(f"/jobs/{job.pk}/series.json").json()["rank1_cpu"]) == 40
+
+
+@pytest.mark.django_db
 def test_checkpoint_download(client, alice, bob, job_factory, tmp_path):
     job = job_factory(alice)
     blob = tmp_path / "ckpt.safetensors"

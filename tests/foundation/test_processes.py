@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from diloco_platform import processes
-from diloco_platform.gunicorn_conf import web_workers
+from diloco_platform.db_pool import pool_options
+from diloco_platform.gunicorn_conf import web_db_pool, web_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,6 +80,32 @@ def test_web_workers(env, cpus, want):
     assert web_workers(env, cpus=cpus) == want
 
 
+@pytest.mark.parametrize(("env", "want"), [
+    ({}, ["DB_POOL=1"]),  # the web workers pool their PostgreSQL connections by default
+    ({"CONN_MAX_AGE": "0"}, ["DB_POOL=1"]),
+    ({"DB_POOL": "0"}, []),  # the operator's choice stands, either way
+    ({"DB_POOL": "1"}, []),
+    ({"CONN_MAX_AGE": "60"}, []),  # persistent connections asked for: no pool (they exclude each other)
+])
+def test_web_db_pool(env, want, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert web_db_pool(env) == want
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert web_db_pool(env) == []  # psycopg_pool missing: plain connections, as before
+
+
+def test_pool_options(monkeypatch):
+    import environ
+
+    assert pool_options(environ.Env()) == {"min_size": 2, "max_size": 8, "timeout": 10.0}
+    monkeypatch.setenv("DB_POOL_MIN_SIZE", "4")
+    monkeypatch.setenv("DB_POOL_MAX_SIZE", "3")  # never below min_size
+    monkeypatch.setenv("DB_POOL_TIMEOUT", "2.5")
+    assert pool_options(environ.Env()) == {"min_size": 4, "max_size": 4, "timeout": 2.5}
+
+
 def test_spawn_starts_a_group_with_the_spec_env(tmp_path):
     code = "import os; print(os.environ['PROBE'], os.getsid(0) == os.getpid())"
     spec = processes.ProcessSpec("probe", (sys.executable, "-c", code), {"PROBE": "from-spec"})
@@ -87,3 +114,20 @@ def test_spawn_starts_a_group_with_the_spec_env(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and out.decode().split() == ["from-spec", "True"]
     processes.signal_group(proc, 9)  # gone already: no error
+
+
+def _settings_probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = ("import json; from diloco_platform import settings as s; d = s.DATABASES['default']; "
+            "print(json.dumps([d.get('OPTIONS', {}).get('pool'), d['CONN_MAX_AGE']]))")
+    base = {k: v for k, v in os.environ.items() if k not in ("DB_POOL", "CONN_MAX_AGE")}
+    return subprocess.run([sys.executable, "-c", code], env={**base, "DATABASE_URL": "postgres://u@h/db",
+                                                             "SECRET_KEY": "x" * 50, **env},
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_settings_pool_only_when_asked_and_never_with_persistent_connections():
+    assert _settings_probe({}).stdout.strip() == "[null, 0]"
+    on = _settings_probe({"DB_POOL": "1"})
+    assert on.returncode == 0 and '"max_size": 8' in on.stdout
+    both = _settings_probe({"DB_POOL": "1", "CONN_MAX_AGE": "60"})
+    assert both.returncode == 1 and "exclude each other" in both.stderr

@@ -10,7 +10,8 @@ from trainer.clock import ManualClock
 from trainer.config import TrainConfig
 from trainer.protocol import Contribution
 from trainer.runtime import keys
-from trainer.runtime.syncer_loop import Beat, Commit, LearnerView, LeaseLost, Resume, SyncerLoop
+from trainer.runtime.memory_host import MemoryWorld as _MemoryWorld
+from trainer.runtime.syncer_loop import LeaseLost, SyncerLoop
 from trainer.syncer import Syncer
 from trainer.transport import MemoryStore
 
@@ -28,96 +29,11 @@ def _who(contributor: dict) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------- in memory
-class MemoryWorld:
-    """What a database would hold: the lease, the learners, the committed outer steps."""
-
-    def __init__(self, learners: int = 2):
-        self.job = "mem"
-        self.lease_epoch = 1
-        self.resume: Resume | None = None
-        self.learners = {i: LearnerView(incarnation=1) for i in range(learners)}
-        self.rows: list[Commit] = []
-        self.refusals: list[tuple[str, str]] = []
-        self.tokens = 0
-        self.status = "running"
-        self.checkpoints: list[tuple[str, int]] = []
-        self.final_loss: float | None = None
-
-    def host(self, epoch: int) -> MemoryHost:
-        self.lease_epoch = epoch
-        return MemoryHost(self, epoch)
-
-    def restart_learner(self, i: int, incarnation: int, resume_at: int | None) -> None:
-        point = None if resume_at is None else {"frag_pos": {"0": resume_at}}
-        self.learners[i] = LearnerView(incarnation=incarnation, resume_point=point)
-
-    def learner_done(self, i: int) -> None:
-        self.learners[i] = LearnerView(self.learners[i].incarnation, live=False, finished=True)
-
-    def pause(self) -> None:
-        self.status = "paused"
-
-    def ended(self) -> tuple[list[tuple[str, int]], bool]:
-        """(checkpoints written, whether the job was completed with a final loss)."""
-        return self.checkpoints, self.final_loss is not None
+class MemoryWorld(_MemoryWorld):
+    """The in-memory world of trainer.runtime.memory_host, with the protocol tests' view of it."""
 
     def steps(self) -> list[tuple[int, list]]:
         return [(r.version, sorted(_who(c) for c in r.contributors)) for r in self.rows]
-
-    def reasons(self) -> list[str]:
-        return [reason for _key, reason in self.refusals]
-
-    def tokens_contributed(self) -> int:
-        return self.tokens
-
-
-class MemoryHost:
-    """SyncerHost over a MemoryWorld: the commit transaction is a lease check and an append."""
-
-    def __init__(self, world: MemoryWorld, epoch: int):
-        self.world, self.epoch = world, epoch
-
-    def _check(self) -> None:
-        if self.world.lease_epoch != self.epoch:
-            raise LeaseLost(f"epoch {self.epoch} superseded")
-
-    def beat(self) -> Beat:
-        self._check()
-        return Beat(status=self.world.status, learners=dict(self.world.learners),
-                    stop=self.world.status == "paused")
-
-    def resume_point(self) -> Resume | None:
-        return self.world.resume
-
-    def commit(self, c: Commit) -> None:
-        self._check()
-        self.world.resume = Resume(c.commits, c.state_key, dict(c.head), dict(c.head_epochs))
-        self.world.rows.append(c)
-        self.world.tokens += c.tokens
-
-    def committed(self, c: Commit, outer_steps: int, metrics_due: bool) -> None:
-        pass
-
-    def refused(self, ref: keys.ContribRef, reason: str) -> None:
-        self.world.refusals.append((ref.key, reason))
-
-    def outer_steps(self) -> int:
-        return len(self.world.rows)
-
-    def others_finished(self) -> bool:
-        return True
-
-    def evaluate(self, state, step: int) -> float:
-        return float(sum(float(t.square().sum()) for t in state.values()))
-
-    def checkpoint(self, kind, state, outer_steps, versions) -> None:
-        self.world.checkpoints.append((kind, outer_steps))
-
-    def stopped(self, status: str) -> None:
-        pass
-
-    def finished(self, summary, loss) -> None:
-        self.world.final_loss = loss
 
 
 # ---------------------------------------------------------------------------------- Django
@@ -227,13 +143,13 @@ def engine(job, max_staleness: int = 4) -> Syncer:
                       max_staleness=max_staleness)
     g = torch.Generator().manual_seed(0)
     init = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-    return Syncer(cfg, init, ManualClock(), job=str(job), fence_incarnations=False)
+    return Syncer(cfg, init, ManualClock(), job=str(job))
 
 
 def loop(world, store, epoch: int = 1, **kw) -> SyncerLoop:
     lp = SyncerLoop(engine(world.job, **kw), store, world.host(epoch), job=world.job, epoch=epoch,
                     eval_interval=NEVER, checkpoint_interval=NEVER, heartbeat_interval=0.0,
-                    clock=ManualClock().now)
+                    clock=ManualClock())
     lp.start()
     return lp
 
@@ -300,6 +216,33 @@ def test_a_zombie_incarnation_is_fenced_and_its_predecessors_earlier_work_kept(w
     assert lp.ledger.covered(0, 0) == 160 and lp.ledger.covered(1, 0) == 80
     assert world.reasons() == ["zombie"]
     assert contribs(store) == [keys.contrib_key(world.job, 1, 9, 0, 0, 40, 120)]
+
+
+def test_a_restart_takes_pending_work_back_out_until_the_resume_point_says_it_counts(world):
+    """Moved from the engine's fencing test (the engine no longer fences): contributions already
+    pending in the round when their learner restarts. Past the successor's resume point they
+    are refused as zombies; while the resume point is unknown they leave the round and come
+    back once it is known and covers them."""
+    store = FaultyStore()
+    lp = loop(world, store)  # quorum 2: one learner's contribution stays pending
+    zombie = put(world, store, 0, 1, 0, 100)
+    lp.tick()
+    assert zombie in lp.pending and lp.syncer.pending_count(0) == 1
+    world.restart_learner(0, 2, resume_at=40)  # the successor recomputes tokens 40..100
+    lp.tick()
+    assert lp.syncer.pending_count(0) == 0 and not store.exists(zombie)
+    assert world.reasons() == ["zombie"] and lp.counters["zombies_refused"] == 1
+    kept = put(world, store, 1, 1, 0, 100)
+    lp.tick()
+    assert kept in lp.pending
+    world.restart_learner(1, 2, resume_at=None)  # restarted, resume point not known yet
+    lp.tick()
+    assert lp.syncer.pending_count(0) == 0 and store.exists(kept)  # out of the round, not refused
+    world.restart_learner(1, 2, resume_at=100)
+    put(world, store, 0, 2, 40, 140)
+    lp.tick()
+    assert world.steps() == [(1, [(0, 2, 40), (1, 1, 0)])]
+    assert world.reasons() == ["zombie"]
 
 
 def test_stale_future_and_invalid_contributions_are_refused(world):

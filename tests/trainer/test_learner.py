@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.checkpoint import state_from_bytes, state_to_bytes
 from trainer.learner import Learner, inner_lr
 from trainer.protocol import GlobalFragment
+from trainer.runtime.codec import pack, unpack
 
 
 @pytest.fixture
@@ -122,9 +122,9 @@ def test_state_dict_restore_continues_identically(learner):
         a.step()
     pending = a.due_contributions()
     assert pending  # fragment 0 is outstanding at checkpoint time
-    blob = state_to_bytes(a.state_dict())
+    blob = pack(a.state_dict())
     b = learner(fragments=2, inner_steps=4, steps=12, seed=0)
-    b.load_state_dict(state_from_bytes(blob))
+    b.load_state_dict(unpack(blob))
     for _ in range(3):
         ra, rb = a.step(), b.step()
         assert ra.loss == rb.loss

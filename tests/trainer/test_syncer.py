@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.checkpoint import state_from_bytes, state_to_bytes
 from trainer.clock import ManualClock
 from trainer.config import TrainConfig
 from trainer.protocol import Contribution
+from trainer.runtime.codec import pack, unpack
 from trainer.syncer import Syncer
 
 SHAPES = {"a.weight": (4, 3), "b.bias": (5,)}
@@ -265,32 +265,18 @@ def test_bad_shape_dtype_names_checksum_and_job_are_rejected():
     assert syncer.pending_count(0) == 0
 
 
-def test_incarnation_fencing():
-    syncer = Syncer(_config(quorum=2), _initial(), ManualClock())
-    assert syncer.submit(_contrib(0, incarnation=0)).accepted
-    syncer.fence(0, 1)  # the watchdog restarted learner 0
-    assert syncer.pending_count(0) == 0  # the zombie's pending contribution is gone
-    zombie = syncer.submit(_contrib(0, incarnation=0, seed=9))
-    assert not zombie.accepted and zombie.reason.startswith("fenced")
-    assert syncer.submit(_contrib(0, incarnation=1)).accepted
-    # a newer incarnation seen on the wire fences the older one too
-    assert syncer.submit(_contrib(1, incarnation=0)).accepted
-    assert syncer.submit(_contrib(1, incarnation=2, seed=11)).accepted
-    assert {k[:2] for k in syncer._rounds[0].pending} == {(0, 1), (1, 2)}
-    assert not syncer.submit(_contrib(1, incarnation=1, seed=12)).accepted
-
-
-def test_caller_fencing_keeps_a_predecessors_work_until_withdrawn():
-    """fence_incarnations=False (the runtime fences from token ranges): a newer incarnation does
-    not push its predecessor's pending contribution out, an older one is still accepted, and
-    withdraw() takes one back out; a state round trip keeps the predecessor's."""
-    syncer = Syncer(_config(quorum=3), _initial(), ManualClock(), fence_incarnations=False)
+def test_the_engine_does_not_fence_and_withdraw_takes_work_back_out():
+    """Fencing is the caller's (SyncerLoop: token ranges against the successor's resume point;
+    its cases are in tests/runtime/test_syncer_protocol.py): a newer incarnation does not push
+    its predecessor's pending contribution out, an older one is still accepted, and withdraw()
+    takes one back out; a state round trip keeps the predecessor's."""
+    syncer = Syncer(_config(quorum=3), _initial(), ManualClock())
     assert syncer.submit(_contrib(0, incarnation=0)).accepted
     assert syncer.submit(_contrib(0, incarnation=1, seed=5)).accepted
     assert syncer.submit(_contrib(1, incarnation=2)).accepted
     assert syncer.submit(_contrib(1, incarnation=1, seed=6)).accepted  # arrived late, still taken
     assert syncer.pending_count(0) == 4 and syncer.incarnations == {0: 1, 1: 2}
-    restored = Syncer(_config(quorum=3), _initial(), ManualClock(), fence_incarnations=False)
+    restored = Syncer(_config(quorum=3), _initial(), ManualClock())
     restored.load_state_dict(syncer.state_dict())
     assert restored.pending_count(0) == 4
     assert syncer.withdraw((1, 1, 0, 0)) and not syncer.withdraw((1, 1, 0, 0))
@@ -305,9 +291,9 @@ def test_idempotent_across_state_dict_restore():
     syncer.submit(_contrib(0))
     syncer.merge(0)
     syncer.submit(_contrib(1, base_version=0))  # pending at checkpoint time
-    blob = state_to_bytes(syncer.state_dict())
+    blob = pack(syncer.state_dict())
     restored = Syncer(cfg, _initial(seed=5), ManualClock())
-    restored.load_state_dict(state_from_bytes(blob))
+    restored.load_state_dict(unpack(blob))
     assert restored.versions == {0: 1}
     assert restored.pending_count(0) == 1
     r = restored.submit(_contrib(0))  # redelivered after the restart
@@ -360,7 +346,7 @@ def test_compressed_global_updates_rebuild_the_published_weights_bit_exactly():
     step = max(float(t.abs().max()) for t in _delta(0).values()) * 0.01 * 0.7 * 3
     assert max(residuals) < step  # never accumulates beyond one update's rounding
     restored = Syncer(cfg, init, ManualClock())
-    restored.load_state_dict(state_from_bytes(state_to_bytes(syncer.state_dict())))
+    restored.load_state_dict(unpack(pack(syncer.state_dict())))
     assert restored.global_update(0) == syncer.global_update(0)
     for n in held:
         assert torch.equal(restored.published[n], syncer.published[n])
@@ -401,7 +387,7 @@ def test_update_history_chains_a_learner_several_versions_behind():
     assert syncer.global_update(0) == syncer.global_updates(0, current - 1)[0]
 
     restored = Syncer(cfg, init, ManualClock())
-    restored.load_state_dict(state_from_bytes(state_to_bytes(syncer.state_dict())))
+    restored.load_state_dict(unpack(pack(syncer.state_dict())))
     assert restored.global_updates(0, current - 3) == syncer.global_updates(0, current - 3)
     old = syncer.state_dict()
     old["updates"] = {0: old["updates"][0][current]}  # the format before the history

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from trainer.checkpoint import state_from_bytes, state_to_bytes
 from trainer.compare import PRESETS
 from trainer.config import TrainConfig
+from trainer.runtime.codec import pack, unpack
 from trainer.train import LocalRun, run_local
 
 
@@ -104,10 +104,10 @@ def test_checkpoint_restore_continue_equals_uninterrupted(small_config, stdlib_c
     full.run()
     part = LocalRun(cfg, "decoupled", corpus=stdlib_corpus)
     part.run(until_steps=7)  # mid-cycle, with a contribution outstanding
-    blob = state_to_bytes(part.state_dict())
+    blob = pack(part.state_dict())
     del part
     resumed = LocalRun(cfg, "decoupled", corpus=stdlib_corpus)
-    resumed.load_state_dict(state_from_bytes(blob))
+    resumed.load_state_dict(unpack(blob))
     resumed.run()
     for n, t in full.syncer.params.items():
         assert torch.equal(t, resumed.syncer.params[n]), n

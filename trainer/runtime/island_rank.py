@@ -121,7 +121,8 @@ def run_follower(spec: IslandSpec, rank: int, port: int) -> int:
 
     from trainer.config import TrainConfig
     from trainer.data import Corpus
-    from trainer.island import follower, init_rank, island_device, make_groups, teardown
+    from trainer.island import init_rank, island_device, make_groups, teardown
+    from trainer.island_kind import follower
 
     n, local = _island_of(spec, rank)
     index, ranks = spec.islands[n]

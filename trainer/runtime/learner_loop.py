@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from trainer.clock import Clock, WallClock
+
 from . import codec, keys
 from .writer import OrderedWriter
 
@@ -79,8 +81,8 @@ class LearnerLoop:
     def __init__(self, learner, store, *, job, index: int, incarnation: int, host: Host,
                  compression: str = "none", heartbeat_interval: float = 1.0, poll_interval: float = 0.25,
                  checkpoint_interval: float = 2.0, speed_factor: float = 1.0, final_wait: float = 30.0,
-                 decode_global: Callable[[bytes], Any] | None = None, clock=time.monotonic,
-                 syncer_shards: int = 1):
+                 decode_global: Callable[[bytes], Any] | None = None, clock: Clock | None = None,
+                 syncer_shards: int = 1, writer=None):
         self.learner = learner
         self.syncer_shards = max(1, int(syncer_shards))
         self.store = store
@@ -93,7 +95,7 @@ class LearnerLoop:
         self.poll_interval = poll_interval
         self.checkpoint_interval = checkpoint_interval
         self.speed_factor = max(0.01, min(1.0, float(speed_factor)))
-        self.clock = clock
+        self.clock = WallClock() if clock is None else clock
         self.final_wait = final_wait
         self.hang_after = max(60.0, 20 * heartbeat_interval)
         self.stall_after = max(5.0, 4 * poll_interval)
@@ -104,14 +106,12 @@ class LearnerLoop:
 
             decode_global = GlobalFragment.from_bytes
         self.decode_global = decode_global
-        self.writer = OrderedWriter(store)
+        self.writer = OrderedWriter(store) if writer is None else writer  # sim: an InlineWriter
         self.frag_pos: dict[int, int] = {}
         self.head_versions: dict[int, int] = {}
         self.head_epochs: dict[int, int] = {}
         self.contributions = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.updates_received = 0
+        self.bytes_sent = self.bytes_received = self.updates_received = 0
         self.last_loss: float | None = None
         self.staleness = 0
 
@@ -173,7 +173,7 @@ class LearnerLoop:
             ref = keys.parse_contrib_key(key)
             if ref is not None and ref.learner == self.index and ref.incarnation == incarnation \
                     and ref.fragment in waiting and ref.end == self.frag_pos.get(ref.fragment):
-                self.outstanding[ref.fragment] = (key, self.clock(), ref.base_version)
+                self.outstanding[ref.fragment] = (key, self.clock.now(), ref.base_version)
 
     # ------------------------------------------------------------------ globals
     def poll_globals(self, force: bool = False) -> int:
@@ -255,7 +255,7 @@ class LearnerLoop:
         came) would never send again: the engine waits for an answer. After `stall_after`
         seconds re-adopt the committed version, which drops the refused progress from the local
         weights and re-enables sending (the refused tokens count as lost work)."""
-        now = self.clock()
+        now = self.clock.now()
         have = getattr(self.learner, "adopted_versions", None)
         if have is None or self.writer.pending:
             return
@@ -301,7 +301,7 @@ class LearnerLoop:
             return blob
 
         self.writer.put(key, encode)
-        self.outstanding[c.fragment] = (key, self.clock(), c.base_version)
+        self.outstanding[c.fragment] = (key, self.clock.now(), c.base_version)
         self.frag_pos[c.fragment] = pos
         self.contributions += 1
 
@@ -315,7 +315,7 @@ class LearnerLoop:
         """
         self.push_due()
         wait = self.final_wait if wait is None else wait
-        deadline = self.clock() + wait
+        deadline = self.clock.now() + wait
         while True:
             self.poll_globals()
             if hasattr(self.learner, "flush"):
@@ -324,7 +324,7 @@ class LearnerLoop:
             outstanding = [p for p in range(len(getattr(self.learner, "fragments", [])))
                            if getattr(self.learner, "outstanding", lambda p: False)(p)
                            and self._unsent(p)]
-            if not outstanding or self.clock() >= deadline:
+            if not outstanding or self.clock.now() >= deadline:
                 break
             time.sleep(self.poll_interval / 2)
         self.checkpoint()
@@ -336,14 +336,13 @@ class LearnerLoop:
     def checkpoint(self) -> None:
         state = {"state": self.learner.state_dict(), "frag_pos": dict(self.frag_pos),
                  "tokens": int(self.learner.tokens), "incarnation": self.incarnation}
-        # Copy the tensors now (the loop keeps training); serialise in the writer thread.
-        tensors, meta = codec.encode(state)
+        # state_dict() hands out copies (training goes on): encoded as they are, in the writer
         self.writer.put(keys.learner_ckpt_key(self.job, self.index, self.incarnation),
-                        lambda: codec.save(tensors, meta))
+                        lambda: codec.pack(state, copy=False))
 
     # ------------------------------------------------------------------ heartbeat thread
     def _stats(self, steps: int) -> dict[str, Any]:
-        now = self.clock()
+        now = self.clock.now()
         self._tok_window.append((now, int(self.learner.tokens), self._train_s))
         self._tok_window = self._tok_window[-8:]
         dt = self._tok_window[-1][0] - self._tok_window[0][0]
@@ -373,7 +372,7 @@ class LearnerLoop:
         """Liveness and control off the training thread (a slow DB never slows a step), but only
         while training advances: a hung loop stops the stamps and the watchdog takes over."""
         while not self._beat_stop.wait(self.heartbeat_interval):
-            if self.clock() - self._last_progress > self.hang_after:
+            if self.clock.now() - self._last_progress > self.hang_after:
                 continue
             self._beat_once()
             if self._fenced:
@@ -404,7 +403,7 @@ class LearnerLoop:
                 result.outcome = "handoff" if ctl.handoff else "stopped"
                 result.reason = ctl.reason
                 return True
-        now = self.clock()
+        now = self.clock.now()
         if getattr(self.learner, "done", False):
             result.active_seconds = now - self._t_start
             self.finish()
@@ -418,23 +417,23 @@ class LearnerLoop:
 
     def tick(self) -> None:
         """One inner step, then what falls due after it: contributions, checkpoint, globals, stats."""
-        t0 = self.clock()
+        t0 = self.clock.now()
         res = self.learner.step()
-        t1 = self.clock()
+        t1 = self.clock.now()
         self._train_s += t1 - t0
         self._steps += 1
         self._last_progress = t1
         self.last_loss = float(res.loss)
         if self.speed_factor < 1.0:
             time.sleep((t1 - t0) * (1.0 / self.speed_factor - 1.0))
-        if self.push_due() and self.clock() - self._last_ckpt >= self.checkpoint_interval:
+        if self.push_due() and self.clock.now() - self._last_ckpt >= self.checkpoint_interval:
             # a checkpoint right behind the contributions (same FIFO): a successor resumes
             # exactly after what this incarnation contributed
             self.checkpoint()
-            self._last_ckpt = self.clock()
-        if self.clock() >= self._next_poll:
+            self._last_ckpt = self.clock.now()
+        if self.clock.now() >= self._next_poll:
             self.poll_globals()
-            self._next_poll = self.clock() + self.poll_interval
+            self._next_poll = self.clock.now() + self.poll_interval
         if t1 - self._last_stats >= self.heartbeat_interval / 2:
             self._latest_stats = self._stats(self._steps)
             self._last_stats = t1
@@ -448,10 +447,9 @@ class LearnerLoop:
             except Exception:
                 break
 
-    def run(self, max_seconds: float | None = None) -> LoopResult:
-        import threading
-
-        t_start = self._t_start = self.clock()
+    def begin(self) -> float:
+        """Reset the counters, send the first sign of life: `run()` or a stepping driver calls it."""
+        t_start = self._t_start = self.clock.now()
         self._next_poll = t_start + self.poll_interval
         self._last_ckpt = t_start
         self._last_stats = t_start
@@ -463,6 +461,12 @@ class LearnerLoop:
         self._ctl = None
         self._fenced = None
         self._beat_once()  # first sign of life before the first step
+        return t_start
+
+    def run(self, max_seconds: float | None = None) -> LoopResult:
+        import threading
+
+        t_start = self.begin()
         self._beat_stop = threading.Event()
         beat = threading.Thread(target=self._beat_loop, name=f"heartbeat-{self.index}", daemon=True)
         beat.start()
@@ -490,6 +494,6 @@ class LearnerLoop:
         result.bytes_sent = self.bytes_sent
         result.bytes_received = self.bytes_received
         result.updates_received = self.updates_received
-        result.seconds = self.clock() - t_start
+        result.seconds = self.clock.now() - t_start
         result.train_seconds = self._train_s
         return result

@@ -12,7 +12,7 @@ A loop restarted at any point resumes from the snapshot the host committed last;
 after it are ignored (keys carry the writer's epoch, so a fenced syncer cannot overwrite what a
 newer one committed) and the ledger in the snapshot means no contribution is applied twice.
 
-Fencing has one rule, here (the engine is built with `fence_incarnations=False`): a contribution
+Fencing has one rule, here (the engine does not fence): a contribution
 of an older incarnation counts when its token range ends at or before the point where the
 successor resumed, waits while that point is unknown, and is refused as a zombie otherwise.
 
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.clock import Clock, WallClock
 from trainer.protocol import Contribution, GlobalFragment, InvalidPayload
 
 from . import codec, keys
@@ -85,10 +86,8 @@ class SyncerLoop:
 
     def __init__(self, syncer: Syncer, store: BlobStore, host: SyncerHost, *, job: int | str, epoch: int,
                  shard: int = 0, shards: int = 1, eval_interval: int = 5, checkpoint_interval: int = 10,
-                 heartbeat_interval: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 heartbeat_interval: float = 0.5, clock: Clock | None = None,
                  metrics_interval: float = 1.0):
-        if syncer.fence_incarnations:
-            raise ValueError("the loop fences (token ranges): build the Syncer with fence_incarnations=False")
         self.syncer, self.store, self.host = syncer, store, host
         self.job, self.epoch, self.shard = job, int(epoch), int(shard)
         self.P = len(syncer.fragments)
@@ -97,7 +96,7 @@ class SyncerLoop:
         self.leader = self.shard == 0
         self.eval_interval, self.checkpoint_interval = int(eval_interval), int(checkpoint_interval)
         self.heartbeat_interval, self.metrics_interval = heartbeat_interval, metrics_interval
-        self.clock = clock
+        self.clock = WallClock() if clock is None else clock
         self.shapes = {k: tuple(v.shape) for k, v in syncer.params.items()}
         self.ledger = Ledger()
         self.commits = 0
@@ -116,7 +115,7 @@ class SyncerLoop:
         self.last_eval_commit = self.last_ckpt_commit = 0
         self.last_metrics_at = -float("inf")
         self.last_merged_norm: float | None = None
-        self.ticked_at = clock()
+        self.ticked_at = self.clock.now()
         self.status = ""
         self._next_beat = -float("inf")
         self._may_finish = False
@@ -362,7 +361,7 @@ class SyncerLoop:
         self.last_merged_norm = c.merged_norm
         total = self.outer_steps()
         evaluate = self.leader and total - self.last_eval_commit >= self.eval_interval
-        now = self.clock()
+        now = self.clock.now()
         metrics_due = self.leader and (evaluate or now - self.last_metrics_at >= self.metrics_interval)
         if metrics_due:
             self.last_metrics_at = now
@@ -423,7 +422,7 @@ class SyncerLoop:
     def tick(self) -> str | None:
         """One step: heartbeat when due, scan, merge, and finish once every learner is done.
         Returns the outcome when the loop is over, else None. Raises LeaseLost."""
-        now = self.ticked_at = self.clock()
+        now = self.ticked_at = self.clock.now()
         if now >= self._next_beat:
             beat = self.heartbeat()
             self._next_beat = now + self.heartbeat_interval

@@ -83,3 +83,42 @@ class OrderedWriter:
         self.flush(timeout)
         self.q.put(_STOP)
         self._thread.join(timeout)
+
+
+class InlineWriter:
+    """The OrderedWriter's interface, writing at once on the caller's thread.
+
+    For drivers that own time themselves (the simulator): a write happens at the instant the
+    loop asks for it, so a run is deterministic; FIFO order is the call order. A store that
+    can hold a blob's recipe (`put_lazy`, the simulator's) gets a callable payload unbuilt: it
+    is serialised only if someone reads it (a learner checkpoint, read only on a restart)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.q: queue.Queue = queue.Queue()  # always empty: nothing is ever queued
+        self.errors: list[str] = []
+        self.bytes_written = 0
+        self.write_seconds = 0.0
+        self.writes = 0
+
+    def put(self, key: str, data: bytes | Callable[[], bytes],
+            on_done: Callable[[], None] | None = None) -> None:
+        self.writes += 1
+        if callable(data) and hasattr(self.store, "put_lazy"):
+            self.store.put_lazy(key, data)
+        else:
+            payload = data() if callable(data) else data
+            self.store.put(key, payload)
+            self.bytes_written += len(payload)
+        if on_done:
+            on_done()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    @property
+    def pending(self) -> int:
+        return 0
+
+    def close(self, timeout: float | None = 30) -> None:
+        pass

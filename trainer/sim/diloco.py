@@ -1,73 +1,63 @@
-"""DiLoCo (synchronous) and Decoupled DiLoCo on the simulated fleet: event-driven, with the real
-Learner and Syncer, the engine's wire format and the rebalancing policy.
+"""DiLoCo (synchronous) and Decoupled DiLoCo on the simulated fleet: the runtime's protocol loops
+(`LearnerLoop`, `SyncerLoop`) stepped on a virtual clock, over the in-memory blob store.
 
 `run_diloco` drives `_DilocoSim`: a virtual-time event queue whose events (an inner step ends,
-a contribution or a global fragment arrives, a merge deadline, a failure, a recovery, a rebalance)
-each have one handler method. The simulator only decides when things happen; what happens is
-the engine's code.
+an upload lands in the store, a global fragment reaches a learner, a merge deadline, a failure,
+a recovery, a rebalance) each have one handler method. Each learner slot runs a `LearnerLoop`
+(one `tick()` per inner step) whose store is a `LearnerWire` (uploads and downloads cross the
+pool's link model); the syncer is a `SyncerLoop` with an in-memory host, ticked whenever an
+upload lands or a merge deadline passes. So contributions, checkpoints, resume points, fencing
+(the loop's token-range rule) and the ledger are the production protocol; the simulator only
+decides when things happen, and injects failures and recoveries.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 from dataclasses import dataclass
 
+from trainer.clock import ManualClock
 from trainer.config import TrainConfig
 from trainer.fragments import make_fragments
 from trainer.learner import Learner
 from trainer.models import build_model
-from trainer.protocol import Contribution, GlobalFragment
+from trainer.runtime import keys
+from trainer.runtime.learner_loop import Control, LearnerLoop
+from trainer.runtime.memory_host import MemoryHost, MemoryWorld
+from trainer.runtime.syncer_host import Commit, LearnerView
+from trainer.runtime.syncer_loop import SyncerLoop
+from trainer.runtime.writer import InlineWriter
+from trainer.sim.events import EventQueue
 from trainer.sim.fleet import WIRE_BYTES_PER_PARAM
 from trainer.sim.moves import rebalance_moves, redispatch_moves, relocate, resize
 from trainer.sim.state import SimRun, SimSpec
+from trainer.sim.wire import LazyStore, LearnerWire, land
 from trainer.syncer import Syncer
 
-
-class _Queue:
-    """Events ordered by virtual time, then by the order they were pushed."""
-
-    def __init__(self) -> None:
-        self._h: list = []
-        self._seq = itertools.count()
-
-    def push(self, t: float, kind: str, **data) -> None:
-        heapq.heappush(self._h, (t, next(self._seq), kind, data))
-
-    def pop(self):
-        return heapq.heappop(self._h)
-
-    def __bool__(self) -> bool:
-        return bool(self._h)
-
-
-class VirtualClock:
-    """The syncer's clock: virtual seconds, moved by the event loop."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
+JOB = "sim"  # the job's name in blob keys
+EPOCH = 1  # the syncer's lease epoch (it never restarts in the simulator)
+NEVER = math.inf
+NEVER_COMMITS = 2**62  # the syncer loop's evaluation/export interval: the simulator evaluates itself
 
 
 @dataclass
 class _L:
     """Simulator-side state of one learner slot."""
 
-    learner: object
+    loop: LearnerLoop
     up: bool = True
     incarnation: int = 0
     waiting: bool = False  # sync DiLoCo: waiting for the merged round
     step_start: float = 0.0
-    ckpt: dict | None = None
-    ckpt_steps: int = 0  # learner.inner_steps at the checkpoint
     steps_since_ckpt: int = 0
     window_steps: int = 0  # for measured throughput
     window_busy: float = 0.0
     down_since: float = 0.0
     wait_since: float = 0.0
+
+    @property
+    def learner(self) -> Learner:
+        return self.loop.learner
 
 
 def _declared_fragment_params(declared: float, model, cfg: TrainConfig) -> list[float]:
@@ -78,13 +68,41 @@ def _declared_fragment_params(declared: float, model, cfg: TrainConfig) -> list[
     return [declared * sum(sizes[n] for n in f) / total for f in frags]
 
 
-def _snapshot(learner) -> dict:
-    """A learner checkpoint in memory (`state_dict` copies every tensor, the optimizer's too)."""
-    return learner.state_dict()
+class _LearnerHost:
+    """The learner's side of the platform: no control messages; its resume point goes where the
+    syncer's host reads it (as the runtime's learner records it in the database)."""
+
+    def __init__(self, world: MemoryWorld, index: int, incarnation: int) -> None:
+        self.world, self.index, self.incarnation = world, index, incarnation
+
+    def heartbeat(self, stats: dict) -> Control:
+        return Control()
+
+    def resumed(self, point: dict) -> None:
+        old = self.world.learners[self.index]
+        self.world.learners[self.index] = LearnerView(self.incarnation, dict(point), old.live, old.finished)
+
+    def telemetry(self, msg: dict) -> None:
+        pass
+
+
+class _SimHost(MemoryHost):
+    """The syncer's in-memory host, telling the simulator about commits and refusals."""
+
+    def __init__(self, world: MemoryWorld, sim: _DilocoSim) -> None:
+        super().__init__(world, EPOCH)
+        self.sim = sim
+
+    def committed(self, c: Commit, outer_steps: int, metrics_due: bool) -> None:
+        self.sim.on_commit(c)
+
+    def refused(self, ref: keys.ContribRef, reason: str) -> None:
+        super().refused(ref, reason)
+        self.sim.on_refused(ref, reason)
 
 
 class _DilocoSim:
-    """One DiLoCo run: the event queue, the learner slots and the syncer they share."""
+    """One DiLoCo run: the event queue, the learner slots and the syncer loop they share."""
 
     def __init__(self, spec: SimSpec, corpus, mode: str) -> None:
         self.spec = spec
@@ -98,24 +116,31 @@ class _DilocoSim:
         self.cfg = cfg
         self.run = run = SimRun(spec, mode, corpus)
         self.rec = spec.recovery
-        self.clock = VirtualClock()
+        self.clock = ManualClock()
         model0 = build_model(cfg.model, cfg.seq_len, cfg.seed, vocab_size=corpus.vocab_size)
-        self.syncer = Syncer(cfg, model0, self.clock, job=spec.name)
         self.comp = cfg.compression
         self.P = cfg.fragments
         self.frag_params = _declared_fragment_params(spec.model.params, model0, cfg)
-        self.slots = [_L(self.new_learner(i, 0)) for i in range(M)]
-        self.expected = [self.slots[0].learner.expected_shapes(p) for p in range(self.P)]
-        self.q = _Queue()
+        self.store = LazyStore()
+        self.world = MemoryWorld(M, job=JOB, incarnation=0)
+        self.sloop = SyncerLoop(
+            Syncer(cfg, model0, self.clock, job=spec.name), self.store,
+            _SimHost(self.world, self), job=JOB, epoch=EPOCH, eval_interval=NEVER_COMMITS,
+            checkpoint_interval=NEVER_COMMITS, heartbeat_interval=0.0, clock=self.clock,
+            metrics_interval=NEVER)
+        self.syncer = self.sloop.syncer
+        self.step_time = [isl.step_time(spec.model) for isl in run.islands]
+        self.q = EventQueue()
+        self.slots = [_L(self.new_loop(i, 0)) for i in range(M)]
         self.merges = 0
         self.refused: dict[str, int] = {}
         self.scheduled_checks: set[tuple[int, float]] = set()
-        self.step_time = [isl.step_time(spec.model) for isl in run.islands]
         self.max_link_bps = max(link.bytes_per_s for link in run.links.values())
         self.downloading: set[tuple[int, int]] = set()  # (learner, fragment) with a download in flight
+        self._xi_sync = self.syncer.xi_sync.value
         self._handlers = {
             "step": self._on_step,
-            "contrib": self._on_contrib,
+            "land": self._on_land,
             "check": self._on_check,
             "global": self._on_global,
             "fail": self._on_fail,
@@ -125,10 +150,16 @@ class _DilocoSim:
             "rebalance": self._on_rebalance,
         }
 
-    def new_learner(self, i: int, inc: int) -> Learner:
-        return Learner(
-            self.cfg, i, incarnation=inc, corpus=self.corpus, job=self.spec.name, num_learners=self.M
-        )
+    def new_loop(self, i: int, inc: int) -> LearnerLoop:
+        """Learner i's `LearnerLoop` as incarnation `inc`, on its wire, stepped by the simulator
+        (no polling: downloads arrive as events; a checkpoint after every contribution)."""
+        learner = Learner(self.cfg, i, incarnation=inc, corpus=self.corpus, job=self.spec.name,
+                          num_learners=self.M)
+        wire = LearnerWire(self.store, JOB, self.clock.now, lambda p, t: self.upload(i, p, t), self.land_at)
+        return LearnerLoop(learner, wire, job=JOB, index=i, incarnation=inc,
+                           host=_LearnerHost(self.world, i, inc), compression=self.comp,
+                           heartbeat_interval=NEVER, poll_interval=NEVER, checkpoint_interval=0.0,
+                           final_wait=0.0, clock=self.clock, writer=InlineWriter(wire))
 
     # -- the run ---------------------------------------------------------------------------
     def execute(self) -> dict:
@@ -137,17 +168,21 @@ class _DilocoSim:
         last_t = 0.0
         while q and not run.finished():
             t, _, kind, d = q.pop()
-            self.clock.t = run.t = t
             if t < last_t:
                 raise RuntimeError("event queue went back in time")
-            last_t = t
+            self.clock.set(t)
+            run.t = last_t = t
             self._handlers[kind](t, d)
         return self._finish()
 
     def _start(self) -> None:
         """Every learner starts at t=0; rebalances, kills and pool failures are scheduled."""
         spec, run, q = self.spec, self.run, self.q
+        self.sloop.start()
         for i in range(self.M):
+            loop = self.slots[i].loop
+            loop.resume()
+            loop.begin()
             self.checkpoint(self.slots[i])
             self.start_step(i, 0.0)
             self.arm_failure(i, 0.0)
@@ -204,14 +239,19 @@ class _DilocoSim:
 
     def update_stall(self, t: float) -> None:
         ups = [s for s in self.slots if s.up]
-        self.syncer.set_expected_learners(max(1, len(ups)))
         stalled = not ups or (self.sync and all(s.waiting for s in ups) and len(ups) < self.M)
         self.run.stall.set(t, stalled)
 
     def checkpoint(self, s: _L) -> None:
-        s.ckpt = _snapshot(s.learner)
-        s.ckpt_steps = s.learner.inner_steps
+        """The learner loop writes a checkpoint (it lands behind its uploads in flight)."""
+        s.loop.checkpoint()
         s.steps_since_ckpt = 0
+
+    def set_view(self, i: int, live: bool) -> None:
+        """What the syncer's host knows of learner i: a new incarnation has no resume point yet.
+        Lock-step DiLoCo counts a lost learner as live (its round waits for it); the decoupled
+        modes count only running learners (a lost one does not hold the merge rule up)."""
+        self.world.learners[i] = LearnerView(self.slots[i].incarnation, None, live or self.sync)
 
     def wait_or_step(self, i: int, t: float) -> bool:
         """Sync DiLoCo waits for the merged round after sending; returns whether it waits."""
@@ -223,52 +263,65 @@ class _DilocoSim:
         return False
 
     # -- the wire --------------------------------------------------------------------------
+    def upload(self, i: int, p: int, t: float) -> float:
+        """Arrival time of learner i's contribution for fragment p, sent up its pool's link now."""
+        nbytes = self.frag_params[p] * WIRE_BYTES_PER_PARAM[self.comp]
+        return self.run.links[self.run.islands[i].pool.slug].send(t, nbytes, "up")
+
+    def land_at(self, t: float, key: str, blob) -> None:
+        self.q.push(t, "land", key=key, blob=blob)
+
     def fetch(self, j: int, p: int, t: float) -> None:
         """Learner j pulls the newest version of fragment p (one download per fragment at a time,
         as a learner polling the blob store for the latest key does)."""
         s, syncer = self.slots[j], self.syncer
-        if not s.up or (j, p) in self.downloading or syncer.versions[p] <= s.learner.adopted_versions[p]:
+        have = s.learner.adopted_versions[p]
+        if not s.up or (j, p) in self.downloading or syncer.versions[p] <= have:
             return
         # the compressed updates since the version the learner holds while they cost less than
         # the whole fragment (as the runtime's learners fetch them), else the whole fragment
-        chain = syncer.global_updates(p, s.learner.adopted_versions[p]) or []
+        chain = syncer.global_updates(p, have) or []
         whole_bytes = self.frag_params[p] * WIRE_BYTES_PER_PARAM["none"]
         chain_bytes = len(chain) * self.frag_params[p] * WIRE_BYTES_PER_PARAM[self.cfg.global_compression]
-        if chain and chain_bytes < whole_bytes:
-            blobs, nbytes = chain, chain_bytes
-        else:
-            blobs, nbytes = [syncer.global_fragment(p).to_bytes("none")], whole_bytes
+        nbytes = chain_bytes if chain and chain_bytes < whole_bytes else whole_bytes
         arr = self.run.links[self.run.islands[j].pool.slug].send(t, nbytes, "down")
         self.downloading.add((j, p))
-        self.q.push(arr, "global", i=j, inc=s.incarnation, blobs=blobs, fragment=p)
+        self.q.push(arr, "global", i=j, inc=s.incarnation, fragment=p, version=syncer.versions[p])
 
-    def send_fragment_down(self, g, t: float) -> None:
-        for j in range(len(self.slots)):
-            self.fetch(j, g.fragment, t)
-
-    def send_contribution(self, i: int, c, t: float) -> None:
-        blob = c.to_bytes(self.comp)
-        nbytes = self.frag_params[c.fragment] * WIRE_BYTES_PER_PARAM[self.comp]
-        arr = self.run.links[self.run.islands[i].pool.slug].send(t, nbytes, "up")
-        self.q.push(arr, "contrib", i=i, blob=blob, fragment=c.fragment)
-
-    def try_merge(self, t: float) -> None:
-        syncer = self.syncer
-        for p in syncer.due(t):
-            # the syncer times its merge on the wall clock; in virtual time a merge is instant, and
-            # its sync time is the fragment's transfer over the fastest link (keeps runs deterministic)
-            before = syncer.xi_sync.value
-            res = syncer.merge(p)
-            syncer.xi_sync.value = before
-            wire_bytes = self.frag_params[p] * WIRE_BYTES_PER_PARAM[self.comp]
-            syncer.observe(transfer_time=wire_bytes / self.max_link_bps)
-            self.merges += 1
-            self.send_fragment_down(res.global_fragment, t)
+    def tick_syncer(self, t: float) -> None:
+        """The syncer loop scans, admits, merges and commits; merge deadlines become events."""
+        self._xi_sync = self.syncer.xi_sync.value
+        self.sloop.tick()
         for p in range(self.P):
-            d = syncer.deadline(p)
+            d = self.syncer.deadline(p)
             if d is not None and d > t and (p, d) not in self.scheduled_checks:
                 self.scheduled_checks.add((p, d))
                 self.q.push(d, "check", p=p)
+
+    def on_commit(self, c: Commit) -> None:
+        """An outer step was committed: learners start downloading it. The engine times its merge
+        on the wall clock; in virtual time a merge is instant and its sync time is the fragment's
+        transfer over the fastest link (keeps runs deterministic)."""
+        syncer = self.syncer
+        syncer.xi_sync.value = self._xi_sync
+        syncer.observe(transfer_time=self.frag_params[c.fragment] * WIRE_BYTES_PER_PARAM[self.comp]
+                       / self.max_link_bps)
+        self._xi_sync = syncer.xi_sync.value
+        self.merges += 1
+        for j in range(self.M):
+            self.fetch(j, c.fragment, self.clock.now())
+
+    def on_refused(self, ref: keys.ContribRef, reason: str) -> None:
+        """The work behind a stale contribution never reaches the model: waste (a zombie's is
+        counted as lost when its learner went down)."""
+        kind = reason.split(":", 1)[0]
+        self.refused[kind] = self.refused.get(kind, 0) + 1
+        if kind == "stale":
+            led = self.run.ledgers[ref.learner]
+            steps = (ref.end - ref.start) / (self.cfg.batch_size * self.cfg.seq_len)
+            lost = min(led.useful, steps * self.step_time[ref.learner] / self.P)
+            led.useful -= lost
+            led.wasted += lost
 
     # -- failures and recovery -------------------------------------------------------------
     def go_down(self, i: int, t: float, why: str) -> None:
@@ -284,94 +337,63 @@ class _DilocoSim:
         run.steps_done -= s.steps_since_ckpt
         s.up = False
         s.down_since = t
-        s.incarnation += 1
-        self.syncer.fence(i, s.incarnation)  # whatever the old incarnation still has in flight is refused
+        s.incarnation += 1  # the watchdog's new incarnation: the old one's sends are fenced by range
+        self.set_view(i, live=False)
         run.failures += why != "move"
         run.marks.append({"t": t, "kind": why, "learner": i})
 
-    def _restore(self, i: int, s: _L, resend: bool) -> Learner:
-        """The re-dispatched learner, loaded from its slot's checkpoint."""
-        ck = s.ckpt
-        if resend:
-            # lock-step, round not merged: the payload this checkpoint sent was fenced out with the
-            # old incarnation, so the new incarnation sends the progress it holds again at once
-            lrn = self.new_learner(i, s.incarnation)
-            lrn.load_state_dict(ck)
-            return lrn
-        # Restore as the incarnation that wrote the checkpoint, so outstanding sends are known;
-        # adopting the newest globals then mixes only the progress made since those sends (no
-        # re-application of progress the syncer already merged); then take the new incarnation.
-        lrn = self.new_learner(i, int(ck["incarnation"]))
-        lrn.load_state_dict(ck)
-        for p in range(self.P):  # the re-dispatched learner loads the newest globals
-            g = self.syncer.global_fragment(p)
-            if g.version > lrn.adopted_versions[p]:
-                lrn.adopt(g)
-        lrn.incarnation = s.incarnation
-        return lrn
-
     def come_up(self, i: int, t: float) -> None:
+        """The re-dispatched learner resumes from its newest checkpoint in the store (as the
+        incarnation that wrote it, so its sends are known), adopts the newest globals, and
+        tells the syncer's host where it resumed."""
         s = self.slots[i]
         self.run.ledgers[i].down += t - s.down_since
-        self.syncer.fence(i, s.incarnation)
-        resend = self.sync and int(s.ckpt["adopted_versions"][0]) == self.syncer.versions[0]
-        lrn = self._restore(i, s, resend)
-        s.learner = lrn
+        self.set_view(i, live=True)
+        s.loop = loop = self.new_loop(i, s.incarnation)
+        for p, v in self.sloop.head.items():  # it loads the newest globals as it starts
+            loop.store.arrived(p, v, self.sloop.head_epochs.get(p, EPOCH))
+        loop.resume()
+        loop.begin()
         s.up = True
         s.steps_since_ckpt = 0
         self.run.marks.append({"t": t, "kind": "recovered", "learner": i})
-        if resend:
-            for c in lrn.flush():
-                self.send_contribution(i, c, t)
+        self.tick_syncer(t)  # its predecessor's sends up to the resume point count again
         self.wait_or_step(i, t)
         self.arm_failure(i, t)
 
     # -- event handlers --------------------------------------------------------------------
     def _on_step(self, t: float, d: dict) -> None:
-        """An inner step ends: send what is due (and checkpoint), then the next step or wait."""
+        """An inner step ends: the loop sends what is due (and checkpoints); the next step or wait."""
         run = self.run
         i = d["i"]
         s = self.slots[i]
         if d["inc"] != s.incarnation or not s.up:
             return
-        lrn = s.learner
-        lrn.step()
+        sent = s.loop.contributions
+        s.loop.tick()
         busy = t - s.step_start
         run.ledgers[i].pending += busy
         s.window_steps += 1
         s.window_busy += busy
         s.steps_since_ckpt += 1
         run.steps_done += 1
-        due = lrn.due_contributions()
-        for c in due:
-            self.send_contribution(i, c, t)
-        if due:
+        if s.loop.contributions > sent:
             run.ledgers[i].commit()
-            self.checkpoint(s)
+            s.steps_since_ckpt = 0  # the loop checkpointed right behind its contributions
         if self.wait_or_step(i, t):
             self.update_stall(t)
         run.maybe_eval(self.syncer.global_state)
 
-    def _on_contrib(self, t: float, d: dict) -> None:
-        """A contribution reaches the syncer: decoded, validated, submitted; merge what is due."""
-        c = Contribution.from_bytes(d["blob"], self.expected[d["fragment"]])
-        res = self.syncer.submit(c)
-        if not res.accepted:
-            reason = res.reason.split(":", 1)[0]
-            self.refused[reason] = self.refused.get(reason, 0) + 1
-            if reason == "stale":
-                # the work behind a stale contribution never reaches the model: waste (a fenced
-                # one is re-sent by the new incarnation, whose checkpoint still holds that progress)
-                led = self.run.ledgers[d["i"]]
-                lost = min(led.useful, c.inner_steps * self.step_time[d["i"]] / self.P)
-                led.useful -= lost
-                led.wasted += lost
-        self.try_merge(t)
+    def _on_land(self, t: float, d: dict) -> None:
+        """An upload lands in the store; a contribution wakes the syncer loop."""
+        land(self.store, d["key"], d["blob"])
+        if keys.parse_contrib_key(d["key"]) is not None:
+            self.tick_syncer(t)
 
     def _on_check(self, t: float, d: dict) -> None:
         """A fragment's merge deadline (grace window) passes."""
         self.scheduled_checks.discard((d["p"], t))
-        self.try_merge(t)
+        self.tick_syncer(t)
 
     def _on_global(self, t: float, d: dict) -> None:
         """A global fragment (or its chain of updates) reaches a learner, which adopts it."""
@@ -381,9 +403,8 @@ class _DilocoSim:
         if d["inc"] != s.incarnation or not s.up:
             self.fetch(i, p, t)  # a download for an older incarnation: start afresh
             return
-        gs = [GlobalFragment.from_bytes(b, self.expected[p]) for b in d["blobs"]]
-        applies = not gs[0].is_update or gs[0].base_version == s.learner.adopted_versions[p]
-        if applies and (s.learner.adopt_updates(gs) if gs[0].is_update else s.learner.adopt(gs[0])):
+        s.loop.store.arrived(p, d["version"], self.sloop.head_epochs.get(p, EPOCH))
+        if s.loop.poll_globals():
             # checkpoint after adopting too, so a restart does not re-apply merged progress
             self.run.ledgers[i].commit()
             self.checkpoint(s)
@@ -452,9 +473,8 @@ class _DilocoSim:
             if not s.up or run.pools[m.to_pool].spare_slots < 1:
                 continue
             # checkpoint now (nothing is lost), move, come back after the re-dispatch time
-            s.ckpt = _snapshot(s.learner)
+            self.checkpoint(s)
             run.ledgers[i].commit()
-            s.steps_since_ckpt = 0
             self.go_down(i, t, "move")
             relocate(run, i, m.to_pool, self.step_time, m.reason, t)
             self.q.push(t + self.spec.recovery.redispatch_s, "up", i=i, inc=s.incarnation)

@@ -72,7 +72,13 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
     pagination_class = BoundedLimitOffsetPagination
     lookup_value_regex = r"[0-9]+"
 
+    # Actions that read only the job's id from get_object(): the access check alone, without the
+    # owner join and the learners' tokens subquery the job's own output needs.
+    ROW_ONLY_ACTIONS = frozenset({"learners", "metrics", "events", "incidents", "checkpoints"})
+
     def get_queryset(self):
+        if self.action in self.ROW_ONLY_ACTIONS:
+            return access.visible_jobs(self.request.user)
         qs = visible_jobs(self.request.user)
         return with_learner_counts(qs) if self.action == "retrieve" else qs
 

@@ -35,7 +35,7 @@ from apps.api.models import ApiToken
 from apps.coordinator.stack import database_url, free_port
 from apps.jobs.models import Event, Job, Learner, MetricPoint
 from diloco_platform import processes
-from diloco_platform.gunicorn_conf import web_workers
+from diloco_platform.gunicorn_conf import web_db_pool, web_workers
 from trainer.spec import JobSpec
 
 NAMES = ("train_loss", "val_loss", "tokens_per_s", "goodput")
@@ -229,7 +229,9 @@ class Command(BaseCommand):
             spec = processes.web(port, python=sys.executable)
             if workers:
                 env["WEB_CONCURRENCY"] = str(workers)
-            label = f"gunicorn + uvicorn workers ({web_workers(env)} processes)"
+            pooled = web_db_pool(env) or env.get("DB_POOL", "").lower() in ("1", "true", "yes", "on")
+            label = (f"gunicorn + uvicorn workers ({web_workers(env)} processes, "
+                     f"{'pooled' if pooled else 'unpooled'} database connections)")
         # a file, not a pipe: nobody reads a pipe while the clients run, and a full one blocks the server
         log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
         proc = processes.spawn(spec, env, stdout=log)

@@ -1,5 +1,8 @@
 """manage.py demo: the whole platform on this machine, in one command.
 
+Over 500 lines because it is one guided script (seed, supervise, submit, guide, chaos) that a
+newcomer reads top to bottom; the process command lines live in diloco_platform.processes.
+
 1. migrates the database (embedded default: SQLite under var/, filesystem broker),
 2. seeds the demo fleet (apps/inventory/demo_fleet.yaml: cpu-new, cpu-mid, cpu-old, three
    "generations" on this CPU told apart by their speed_factor),
