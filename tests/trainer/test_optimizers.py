@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.checkpoint import state_from_bytes, state_to_bytes
 from trainer.cli import build_parser, config_from_args
 from trainer.clock import ManualClock
 from trainer.config import ConfigError, TrainConfig
@@ -13,6 +12,7 @@ from trainer.learner import Learner
 from trainer.models import build_model
 from trainer.optimizers import CombinedOptimizer, make_optimizer, muon_params
 from trainer.protocol import GlobalFragment
+from trainer.runtime import codec
 from trainer.spec import JobSpec
 from trainer.syncer import Syncer
 
@@ -45,7 +45,7 @@ def test_a_muon_learner_trains_and_resumes_bit_for_bit(small_config, stdlib_corp
     for _ in range(3):
         a.step()
     assert a.last_loss < first
-    state = state_from_bytes(state_to_bytes(a.state_dict()))
+    state = codec.unpack(codec.pack(a.state_dict()))
     b = Learner(cfg, 0, corpus=stdlib_corpus)
     b.load_state_dict(state)
     for _ in range(2):
