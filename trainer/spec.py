@@ -168,7 +168,8 @@ class JobSpec(BaseModel):
         if self.batch_size % self.devices_per_learner:
             raise ValueError("devices_per_learner: must divide batch_size (each device reads its share "
                              "of the learner's batch)")
-        if (self.inner_optimizer, self.inner_parallelism) == ("muon", "fsdp") and self.devices_per_learner > 1:
+        muon_fsdp = (self.inner_optimizer, self.inner_parallelism) == ("muon", "fsdp")
+        if muon_fsdp and self.devices_per_learner > 1:
             raise ValueError("inner_optimizer: muon orthogonalises whole matrices, and fsdp islands hold "
                              "row shards of them: use inner_parallelism ddp with muon")
         if self.syncer_shards > self.fragments:
