@@ -12,7 +12,16 @@ import os
 import sys
 
 from trainer.compare import PRESETS
-from trainer.config import COMPRESSIONS, FRAGMENT_MODES, STRATEGIES, ConfigError, TrainConfig, default_quorum
+from trainer.config import (
+    COMPRESSIONS,
+    FRAGMENT_MODES,
+    INNER_OPTIMIZERS,
+    INNER_STATES,
+    STRATEGIES,
+    ConfigError,
+    TrainConfig,
+    default_quorum,
+)
 
 
 def _speeds(text: str) -> list[float]:
@@ -66,6 +75,8 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     _add_config_options(c)
     c.add_argument("--baseline-inner-lr", type=float, default=None,
                    help="the baseline's own inner lr (default: --inner-lr, the same as the others)")
+    c.add_argument("--baseline-inner-optimizer", choices=INNER_OPTIMIZERS, default=None,
+                   help="the baseline's own inner optimizer (default: --inner-optimizer)")
     c.add_argument("--target-gap", type=float, default=0.02,
                    help="print whether each strategy stays within this fraction of the baseline")
     c.add_argument("--json", default=None, help="write the comparison here ('-' for stdout)")
@@ -92,7 +103,14 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
     t.add_argument("--outer-momentum-warmup", type=int, default=d.outer_momentum_warmup,
                    help="outer steps over which the outer momentum ramps up from 0")
+    t.add_argument("--outer-momentum-decay", type=int, default=d.outer_momentum_decay,
+                   help="last outer steps over which the outer momentum falls to 0 (0: off)")
     t.add_argument("--inner-lr", type=float, default=d.inner_lr)
+    t.add_argument("--inner-optimizer", choices=INNER_OPTIMIZERS, default=d.inner_optimizer,
+                   help="muon: Muon for the hidden matrices, AdamW for the rest (MuLoCo)")
+    t.add_argument("--muon-momentum", type=float, default=d.muon_momentum)
+    t.add_argument("--inner-state", choices=INNER_STATES, default=d.inner_state,
+                   help="keep or reset the inner optimizer's state of a fragment on adopting a global")
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
     t.add_argument("--inner-prox", type=float, default=d.inner_prox,
                    help="pull towards the adopted global per unit of inner lr (0: off)")
@@ -136,7 +154,11 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         outer_lr=a.outer_lr,
         outer_momentum=a.outer_momentum,
         outer_momentum_warmup=a.outer_momentum_warmup,
+        outer_momentum_decay=a.outer_momentum_decay,
         inner_lr=a.inner_lr,
+        inner_optimizer=a.inner_optimizer,
+        muon_momentum=a.muon_momentum,
+        inner_state=a.inner_state,
         weight_decay=a.weight_decay,
         inner_prox=a.inner_prox,
         warmup_steps=a.warmup_steps,
@@ -271,6 +293,7 @@ def _compare(args: argparse.Namespace, config: TrainConfig) -> int:
             run=lambda cfg, strategy: run_local(cfg, strategy, corpus=corpus),
             progress=None if args.quiet else (lambda line: print(line, file=out, flush=True)),
             baseline_inner_lr=args.baseline_inner_lr,
+            baseline_inner_optimizer=args.baseline_inner_optimizer,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -279,6 +302,9 @@ def _compare(args: argparse.Namespace, config: TrainConfig) -> int:
     if args.baseline_inner_lr is not None:
         verdict = (f"{args.strategies[0]} at its own inner lr {args.baseline_inner_lr:g}, the others at "
                    f"{config.inner_lr:g}\n{verdict}")
+    if args.baseline_inner_optimizer is not None:
+        verdict = (f"{args.strategies[0]} with {args.baseline_inner_optimizer}, the others with "
+                   f"{config.inner_optimizer}\n{verdict}")
     print(compare.table(doc), file=out)
     print(verdict, file=out, flush=True)
     if args.plot:

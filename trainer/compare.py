@@ -49,23 +49,30 @@ def compare(
     run: Run,
     progress: Callable[[str], None] | None = None,
     baseline_inner_lr: float | None = None,
+    baseline_inner_optimizer: str | None = None,
 ) -> dict:
     """Run each strategy for each seed (`run(config, strategy)`) and score it against the first.
 
     `baseline_inner_lr` runs the baseline at its own inner lr: ddp and decoupled learners want
     different step sizes (decoupled's each see 1/M of the batch), and a gap won by running the
     baseline at the other's lr would measure the mistuning, not the method.
+    `baseline_inner_optimizer` likewise runs it with its own inner optimizer (say ddp with AdamW
+    against decoupled with Muon: the gap then includes the optimizer's share).
     """
     if len(strategies) < 2:
         raise ValueError("compare needs at least two strategies (the first is the baseline)")
     if not seeds:
         raise ValueError("compare needs at least one seed")
+    own: dict[str, Any] = {}
+    if baseline_inner_lr is not None:
+        own["inner_lr"] = baseline_inner_lr
+    if baseline_inner_optimizer is not None:
+        own["inner_optimizer"] = baseline_inner_optimizer
     runs = []
     for seed in seeds:
         cfg = replace(config, seed=seed)
         for strategy in strategies:
-            own = strategy == strategies[0] and baseline_inner_lr is not None
-            report = run(replace(cfg, inner_lr=baseline_inner_lr) if own else cfg, strategy)
+            report = run(replace(cfg, **own) if strategy == strategies[0] else cfg, strategy)
             row = {k: report[k] for k in KEEP if k in report}
             row["seed"] = seed
             runs.append(row)
@@ -76,6 +83,7 @@ def compare(
                 )
     doc = summarise(runs, strategies, seeds, config)
     doc["baseline_inner_lr"] = baseline_inner_lr if baseline_inner_lr is not None else config.inner_lr
+    doc["baseline_inner_optimizer"] = baseline_inner_optimizer or config.inner_optimizer
     return doc
 
 

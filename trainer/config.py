@@ -44,6 +44,8 @@ def token_budget(learners: int, steps: int, batch_size: int, seq_len: int, max_t
     return min(by_steps, max_tokens) if max_tokens else by_steps
 
 COMPRESSIONS = ("none", "bf16", "int8", "int4")
+INNER_OPTIMIZERS = ("adamw", "muon")  # muon: Muon for the hidden matrices, AdamW for the rest (MuLoCo)
+INNER_STATES = ("keep", "reset")      # the inner optimizer's state of a fragment on adopting a global
 FRAGMENT_MODES = ("strided", "balanced")
 
 
@@ -59,7 +61,11 @@ class TrainConfig:
     # The defaults are the best measured for the local-step strategies (docs/engine.md, "Defaults").
     outer_momentum: float = 0.9       # Nesterov, ramped up over outer_momentum_warmup outer steps
     outer_momentum_warmup: int = 10   # outer steps over which the momentum ramps up from 0
+    outer_momentum_decay: int = 0     # last outer steps of the run over which it falls to 0 (0: off)
     inner_lr: float | None = None     # None: by model size (default_inner_lr); ddp's own best differs
+    inner_optimizer: str = "adamw"    # adamw | muon (trainer.optimizers)
+    muon_momentum: float = 0.95       # Muon's own (Nesterov) momentum, with inner_optimizer muon
+    inner_state: str = "keep"         # keep | reset the inner optimizer's state on adoption
     weight_decay: float = 0.1
     inner_prox: float = DEFAULT_INNER_PROX  # pull towards the adopted global, per unit of inner lr (0: off)
     warmup_steps: int = 20
@@ -126,6 +132,12 @@ class TrainConfig:
         need(isinstance(self.outer_momentum_warmup, int) and self.outer_momentum_warmup >= 0,
              "outer_momentum_warmup", "must be an integer >= 0")
         need(self.inner_lr > 0, "inner_lr", "must be > 0")
+        need(self.inner_optimizer in INNER_OPTIMIZERS, "inner_optimizer",
+             f"must be one of {', '.join(INNER_OPTIMIZERS)}")
+        need(0 <= self.muon_momentum < 1, "muon_momentum", "must be in [0, 1)")
+        need(self.inner_state in INNER_STATES, "inner_state", f"must be one of {', '.join(INNER_STATES)}")
+        need(isinstance(self.outer_momentum_decay, int) and self.outer_momentum_decay >= 0,
+             "outer_momentum_decay", "must be an integer >= 0")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self.inner_prox >= 0, "inner_prox", "must be >= 0")
         need(self.inner_lr * self.inner_prox <= 1, "inner_prox", "inner_lr x inner_prox must be <= 1")

@@ -29,7 +29,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.island import IslandLearner, _Loss
-from trainer.learner import Learner, StepResult, make_optimizer
+from trainer.learner import Learner, StepResult
+from trainer.optimizers import make_optimizer
 from trainer.protocol import GlobalFragment
 
 STOP, STEP, LOSS, GATHER, SET, STATE, LOAD = range(7)
@@ -49,6 +50,8 @@ class ShardedIsland(IslandLearner):
 
     # ------------------------------------------------------------------ setup
     def _wrap(self) -> None:
+        if self.config.inner_optimizer == "muon":  # the spec refuses it; the engine CLI too
+            raise ValueError("inner_optimizer muon orthogonalises whole matrices; fsdp shards them: use ddp")
         group = self.group if self.group is not None else dist.group.WORLD
         mesh = DeviceMesh.from_group(group, self.device.type)
         root = _Loss(self.model)

@@ -47,6 +47,7 @@ from trainer.config import TrainConfig
 from trainer.data import Corpus, TokenStream
 from trainer.fragments import make_fragments, sync_schedule
 from trainer.models import autocast, build_model, pick_device
+from trainer.optimizers import forget_state, make_optimizer
 from trainer.protocol import Contribution, GlobalFragment
 
 STATE_VERSION = 1
@@ -87,17 +88,6 @@ def load_corpus(config: TrainConfig) -> Corpus:
         tokenizer=config.tokenizer,
         val_fraction=config.val_fraction,
     )
-
-
-def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    kwargs = {"fused": True} if device.type in ("cpu", "cuda") else {}
-    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=tuple(config.betas), **kwargs)
 
 
 class Learner:
@@ -357,6 +347,8 @@ class Learner:
                 mixed = (new - expected).add_(ref).add_((param.detach().float() - ref).mul_(alpha))
             param.copy_(mixed)
             self.base[p][n] = new.clone()
+        if self.config.inner_state == "reset":
+            forget_state(self.optimizer, [self.params[n] for n in names])
         if self._sent[p] is not None:
             # keep counting only the progress made since the send
             since, sent = self._since[p], self._sent_counts[p]

@@ -27,8 +27,9 @@ from trainer.clock import WallClock
 from trainer.compression import decode, encode
 from trainer.config import TrainConfig
 from trainer.data import TokenStream
-from trainer.learner import Learner, load_corpus, make_optimizer
+from trainer.learner import Learner, load_corpus
 from trainer.models import autocast, build_model, pick_device
+from trainer.optimizers import make_optimizer
 from trainer.protocol import Contribution
 from trainer.syncer import Syncer
 

@@ -31,6 +31,8 @@ Strategy = Literal["decoupled", "diloco"]
 Compression = Literal["none", "bf16", "int8", "int4"]
 Objective = Literal["time", "energy", "cost"]
 InnerParallelism = Literal["ddp", "fsdp"]
+InnerOptimizer = Literal["adamw", "muon"]
+InnerState = Literal["keep", "reset"]
 
 
 class JobSpec(BaseModel):
@@ -62,6 +64,15 @@ class JobSpec(BaseModel):
     outer_momentum_warmup: int = Field(
         _D["outer_momentum_warmup"], ge=0, le=100_000,
         description="outer steps over which the outer momentum ramps up from 0")
+    outer_momentum_decay: int = Field(
+        _D["outer_momentum_decay"], ge=0, le=100_000,
+        description="last outer steps of the run over which the outer momentum falls to 0 (0: off)")
+    inner_optimizer: InnerOptimizer = Field(
+        _D["inner_optimizer"],
+        description="adamw, or muon: Muon for the hidden matrices and AdamW for the rest (MuLoCo)")
+    muon_momentum: float = Field(_D["muon_momentum"], ge=0, lt=1.0, description="Muon's own momentum")
+    inner_state: InnerState = Field(
+        _D["inner_state"], description="keep or reset the inner optimizer's state on adopting a global")
     inner_lr: float | None = Field(
         None, gt=0, le=1.0,
         description="inner AdamW lr; default by model size: tiny 5e-3, small 2e-3, others 1e-3",
@@ -157,6 +168,10 @@ class JobSpec(BaseModel):
         if self.batch_size % self.devices_per_learner:
             raise ValueError("devices_per_learner: must divide batch_size (each device reads its share "
                              "of the learner's batch)")
+        muon_fsdp = (self.inner_optimizer, self.inner_parallelism) == ("muon", "fsdp")
+        if muon_fsdp and self.devices_per_learner > 1:
+            raise ValueError("inner_optimizer: muon orthogonalises whole matrices, and fsdp islands hold "
+                             "row shards of them: use inner_parallelism ddp with muon")
         if self.syncer_shards > self.fragments:
             raise ValueError("syncer_shards: must not exceed fragments (a shard merges whole fragments)")
         lo = self.min_learners or self.learners

@@ -442,9 +442,17 @@ class Syncer:
     def momentum_at(self, step: int) -> float:
         """Outer momentum for the fragment's `step`-th outer step (0-based): ramped up linearly
         over `outer_momentum_warmup` steps, so the first, large and noisy pseudo-gradients of a
-        run from scratch are not carried on for dozens of steps."""
+        run from scratch are not carried on for dozens of steps; with `outer_momentum_decay` D,
+        it falls linearly to 0 over the run's last D outer steps (Pier), so the last merges are
+        not pushed on by momentum the run has no steps left to correct."""
         mu, warm = self.config.outer_momentum, self.config.outer_momentum_warmup
-        return mu if warm <= 0 else mu * min(1.0, step / warm)
+        if warm > 0:
+            mu *= min(1.0, step / warm)
+        decay = self.config.outer_momentum_decay
+        if decay > 0:
+            left = self.config.steps // self.config.inner_steps - step
+            mu *= max(0.0, min(1.0, left / decay))
+        return mu
 
     def _prune(self, fragment: int) -> None:
         floor = self.versions[fragment] - self.config.max_staleness

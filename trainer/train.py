@@ -33,8 +33,9 @@ import torch
 from trainer.clock import ManualClock
 from trainer.config import STRATEGIES, TrainConfig
 from trainer.data import Corpus, TokenStream, evaluate
-from trainer.learner import Learner, inner_lr, load_corpus, make_optimizer
+from trainer.learner import Learner, inner_lr, load_corpus
 from trainer.models import autocast, build_model, param_count, pick_device
+from trainer.optimizers import make_optimizer
 from trainer.protocol import Contribution, GlobalFragment
 from trainer.syncer import Syncer
 

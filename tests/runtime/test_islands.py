@@ -114,11 +114,13 @@ def two_device_node(db):
     ({"devices_per_learner": 4}, "a learner needs 4 devices on one node; the largest node (pool isl) has 2"),
     ({"devices_per_learner": 3}, "must divide batch_size"),
     ({"devices_per_learner": 2, "inner_parallelism": "gspmd"}, "'ddp' or 'fsdp'"),
+    ({"devices_per_learner": 2, "inner_parallelism": "fsdp", "inner_optimizer": "muon"},
+     "use inner_parallelism ddp with muon"),
 ])
 def test_an_island_that_cannot_run_is_a_400_on_its_field(alice, two_device_node, over, reason):
     from tests.api.conftest import client_for
 
-    field = "inner_parallelism" if "inner_parallelism" in over else "devices_per_learner"
+    field = next((f for f in ("inner_optimizer", "inner_parallelism") if f in over), "devices_per_learner")
     for path in ("/api/v1/jobs/dry-run/", "/api/v1/jobs/"):
         r = client_for(alice).post(path, {"spec": {**ISLANDS, **over}}, format="json")
         assert r.status_code == 400, r.content

@@ -113,3 +113,16 @@ def test_baseline_can_run_at_its_own_inner_lr():
     assert seen == [("ddp", 0, 3e-3), ("decoupled", 0, 5e-3), ("ddp", 1, 3e-3), ("decoupled", 1, 5e-3)]
     assert doc["baseline_inner_lr"] == 3e-3
     assert compare(TrainConfig(inner_lr=5e-3), ["ddp", "decoupled"], [0], fake)["baseline_inner_lr"] == 5e-3
+
+
+def test_baseline_can_run_with_its_own_inner_optimizer():
+    seen = []
+
+    def fake(cfg, strategy):
+        seen.append((strategy, cfg.inner_optimizer, cfg.inner_lr))
+        return _run(strategy, cfg.seed, 2.0)
+
+    doc = compare(TrainConfig(inner_lr=5e-3, inner_optimizer="muon"), ["ddp", "decoupled"], [0], fake,
+                  baseline_inner_lr=4e-3, baseline_inner_optimizer="adamw")
+    assert seen == [("ddp", "adamw", 4e-3), ("decoupled", "muon", 5e-3)]
+    assert doc["baseline_inner_optimizer"] == "adamw"

@@ -22,8 +22,8 @@ class _DPMath:
 
     def __init__(self, cfg: TrainConfig, corpus, learners: int) -> None:
         from trainer.data import TokenStream
-        from trainer.learner import make_optimizer
         from trainer.models import build_model
+        from trainer.optimizers import make_optimizer
 
         self.cfg = cfg
         self.model = build_model(cfg.model, cfg.seq_len, cfg.seed, vocab_size=corpus.vocab_size)
