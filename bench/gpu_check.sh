@@ -3,8 +3,8 @@
 # 1. the learner bench on CUDA under bf16 autocast, batch 64x256: tokens/s of Learner.step
 #    against the bare loop for tiny, small and a 38M model (bench/gpu_models.py:mid);
 # 2. `python -m trainer compare` for small on CUDA: decoupled with the defaults (only model, M,
-#    H, steps, batch and seed given) against ddp at its own best inner lr (3e-3 for small at this
-#    batch), bf16, batch 64x256 per learner.
+#    H, steps, batch and seed given) against ddp at its own best inner lr (1.5e-3 for small at this
+#    batch and 460 steps: the sweep in docs/engine.md, "Defaults"), bf16, batch 64x256 per learner.
 # Usage (repository root): bash bench/gpu_check.sh [OUT_DIR]   (PY=python3 where torch lives)
 set -euo pipefail
 out="${1:-bench/results/gpu}"
@@ -21,5 +21,5 @@ for model in tiny small bench.gpu_models:mid; do
 done
 echo "== compare small: ddp vs decoupled defaults, $steps inner steps"
 "$py" -m trainer compare --model small -M 4 -H 20 --steps "$steps" --batch-size 64 --seq-len 256 \
-  --seeds 0 --baseline-inner-lr 3e-3 --device cuda --bf16 --eval-batches 16 --eval-every 5 --threads 4 \
+  --seeds 0 --baseline-inner-lr 1.5e-3 --device cuda --bf16 --eval-batches 16 --eval-every 5 --threads 4 \
   --json "$out/compare-small.json" --markdown "$out/compare-small.md"

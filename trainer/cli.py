@@ -97,7 +97,7 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--learners", "-M", type=int, default=d.learners)
     t.add_argument("--inner-steps", "-H", type=int, default=d.inner_steps)
-    t.add_argument("--fragments", "-P", type=int, default=d.fragments)
+    t.add_argument("--fragments", "-P", type=int, default=None, help="default: min(4, H)")
     t.add_argument("--quorum", "-K", type=int, default=None, help="default: max(1, M // 2)")
     t.add_argument("--outer-lr", type=float, default=d.outer_lr)
     t.add_argument("--outer-momentum", type=float, default=d.outer_momentum)

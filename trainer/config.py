@@ -21,6 +21,7 @@ FALLBACK_INNER_LR = 1e-3
 
 
 DEFAULT_INNER_PROX = 25.0  # docs/engine.md, "Defaults": the run behind each default
+DEFAULT_FRAGMENTS = 4      # P when a job names none (at most H): docs/engine.md, "Defaults"
 
 
 def default_inner_lr(model: str) -> float:
@@ -31,6 +32,11 @@ def default_inner_lr(model: str) -> float:
 def default_inner_prox(inner_lr: float) -> float:
     """The inner prox a job gets when it names none: 25, capped so a step never pulls past the global."""
     return min(DEFAULT_INNER_PROX, 1.0 / inner_lr)
+
+
+def default_fragments(inner_steps: int) -> int:
+    """P when a job names none: 4 staggered fragments, fewer when H is shorter (one sync per step)."""
+    return max(1, min(DEFAULT_FRAGMENTS, inner_steps))
 
 
 def default_quorum(learners: int) -> int:
@@ -55,9 +61,9 @@ class TrainConfig:
     dataset: str = "stdlib"
     learners: int = 4                 # M
     inner_steps: int = 20             # H: inner steps between two syncs of one fragment
-    fragments: int = 1                # P
+    fragments: int | None = None      # P; None: default_fragments(inner_steps)
     quorum: int = 1                   # K: minimum contributions per merge
-    outer_lr: float = 0.7
+    outer_lr: float = 0.9
     # The defaults are the best measured for the local-step strategies (docs/engine.md, "Defaults").
     outer_momentum: float = 0.9       # Nesterov, ramped up over outer_momentum_warmup outer steps
     outer_momentum_warmup: int = 10   # outer steps over which the momentum ramps up from 0
@@ -78,7 +84,7 @@ class TrainConfig:
     max_staleness: int = 4            # versions behind before a contribution is dropped
     grace_cap_s: float = 2.0          # cap of the adaptive grace window
     seed: int = 0
-    fragment_mode: str = "strided"
+    fragment_mode: str = "balanced"   # balanced: P near-equal fragments; strided: whole layers dealt
     rda: bool = True                  # radial-directional averaging of non-embedding tensors
     mix_alpha: float = 0.5            # share of the progress made meanwhile kept on adoption
     device: str = "cpu"
@@ -104,6 +110,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.inner_lr is None:
             self.inner_lr = default_inner_lr(self.model)
+        if self.fragments is None and isinstance(self.inner_steps, int):
+            self.fragments = default_fragments(self.inner_steps)
         self.validate()
 
     @property

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainer.config import (
     DEFAULT_INNER_PROX,
     TrainConfig,
+    default_fragments,
     default_inner_lr,
     default_inner_prox,
     default_quorum,
@@ -33,6 +34,7 @@ Objective = Literal["time", "energy", "cost"]
 InnerParallelism = Literal["ddp", "fsdp"]
 InnerOptimizer = Literal["adamw", "muon"]
 InnerState = Literal["keep", "reset"]
+FragmentMode = Literal["balanced", "strided"]
 
 
 class JobSpec(BaseModel):
@@ -52,8 +54,11 @@ class JobSpec(BaseModel):
     max_learners: int | None = Field(None, ge=1, le=64)
     inner_steps: int = Field(
         _D["inner_steps"], ge=1, le=10_000, description="H: inner steps per outer round")
-    fragments: int = Field(
-        _D["fragments"], ge=1, le=64, description="P: fragments synced on a staggered schedule")
+    fragments: int | None = Field(
+        None, ge=1, le=64, description="P: fragments synced on a staggered schedule (default 4, at most H)")
+    fragment_mode: FragmentMode = Field(
+        _D["fragment_mode"],
+        description="balanced: P fragments of near-equal size; strided: whole layers dealt in turn")
     quorum: int | None = Field(None, ge=1, le=64, description="K: minimum contributions per merge")
     syncer_shards: int = Field(
         1, ge=1, le=64, description="syncer tasks, each merging its share of the fragments (at most P)"
@@ -163,6 +168,8 @@ class JobSpec(BaseModel):
             self.inner_prox = default_inner_prox(self.inner_lr)
         if self.inner_lr * self.inner_prox > 1:
             raise ValueError("inner_prox: inner_lr x inner_prox must be <= 1 (no pull past the global)")
+        if self.fragments is None:
+            self.fragments = default_fragments(self.inner_steps)
         if self.fragments > self.inner_steps:
             raise ValueError("fragments: must not exceed inner_steps (one sync per step at most)")
         if self.batch_size % self.devices_per_learner:

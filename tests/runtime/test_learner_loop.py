@@ -42,8 +42,8 @@ def corpus():
 
 
 def cfg(**kw):
-    base = {"model": "tiny", "learners": 1, "quorum": 1, "inner_steps": 4, "steps": 24, "batch_size": 4,
-            "seq_len": 16, "warmup_steps": 2, "cache_dir": "var/cache"}
+    base = {"model": "tiny", "learners": 1, "quorum": 1, "inner_steps": 4, "fragments": 1, "steps": 24,
+            "batch_size": 4, "seq_len": 16, "warmup_steps": 2, "cache_dir": "var/cache"}
     return TrainConfig(**{**base, **kw})
 
 

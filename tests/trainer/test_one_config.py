@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from trainer.cli import build_parser, config_from_args
-from trainer.config import TrainConfig, default_quorum, token_budget
+from trainer.config import TrainConfig, default_fragments, default_quorum, token_budget
 from trainer.spec import JobSpec, stored_spec
 
 # Spec fields the engine config does not carry (the platform reads them from the spec): placement,
@@ -35,6 +35,26 @@ def test_the_quorum_default_is_the_same_everywhere(learners):
     spec = JobSpec(learners=learners)
     cli = config_from_args(build_parser().parse_args(["train", "--learners", str(learners)]))
     assert spec.quorum == TrainConfig.from_spec(spec).quorum == cli.quorum == default_quorum(learners)
+
+
+@pytest.mark.parametrize("inner_steps", [1, 2, 3, 4, 20, 96])
+def test_the_fragments_default_is_four_at_most_h_everywhere(inner_steps):
+    spec = JobSpec(inner_steps=inner_steps)
+    cli = config_from_args(build_parser().parse_args(["train", "-H", str(inner_steps)]))
+    engine = TrainConfig(inner_steps=inner_steps)
+    expected = min(4, inner_steps)
+    assert default_fragments(inner_steps) == expected
+    got = (spec.fragments, TrainConfig.from_spec(spec).fragments, cli.fragments, engine.fragments)
+    assert got == (expected,) * 4
+    assert spec.fragment_mode == cli.fragment_mode == engine.fragment_mode == "balanced"
+
+
+def test_a_named_fragment_count_is_kept_and_checked():
+    assert JobSpec(inner_steps=20, fragments=1).fragments == 1
+    with pytest.raises(ValueError, match="fragments"):
+        JobSpec(inner_steps=2, fragments=3)
+    with pytest.raises(ValueError, match="fragment_mode"):
+        JobSpec(fragment_mode="by-layer")
 
 
 def test_synchronous_diloco_merges_with_every_learner():

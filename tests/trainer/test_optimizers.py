@@ -78,7 +78,7 @@ def test_inner_state_on_adoption(small_config, stdlib_corpus, inner_state, kept)
 
 
 def test_outer_momentum_decays_to_zero_over_the_last_outer_steps():
-    cfg = TrainConfig(learners=1, quorum=1, inner_steps=10, steps=100, outer_momentum=0.8,
+    cfg = TrainConfig(learners=1, quorum=1, inner_steps=10, fragments=1, steps=100, outer_momentum=0.8,
                       outer_momentum_warmup=2, outer_momentum_decay=4)
     syncer = Syncer(cfg, {"w": torch.zeros(3)}, ManualClock())
     got = [syncer.momentum_at(k) for k in (0, 1, 2, 5, 6, 7, 8, 9, 10)]

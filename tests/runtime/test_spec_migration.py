@@ -1,0 +1,28 @@
+"""Jobs stored before `fragment_mode` existed keep the strided fragments they ran with."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from django.apps import apps as django_apps
+
+from apps.coordinator.common import job_spec
+from apps.jobs.models import Job
+
+from .conftest import TINY
+
+pytestmark = pytest.mark.django_db
+
+migration = importlib.import_module("apps.jobs.migrations.0003_spec_fragment_mode")
+
+
+def test_old_specs_keep_strided_and_new_ones_are_left_alone(owner):
+    assert "fragment_mode" not in TINY
+    old = Job.objects.create(owner=owner, name="old", spec={**TINY})
+    new = Job.objects.create(owner=owner, name="new", spec={**TINY, "fragment_mode": "balanced"})
+    migration.keep_strided(django_apps, None)
+    old.refresh_from_db()
+    new.refresh_from_db()
+    assert old.spec["fragment_mode"] == "strided" and job_spec(old).fragment_mode == "strided"
+    assert new.spec["fragment_mode"] == "balanced"
+    assert {k: v for k, v in old.spec.items() if k != "fragment_mode"} == TINY
