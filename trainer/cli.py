@@ -105,7 +105,9 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
                    help="outer steps over which the outer momentum ramps up from 0")
     t.add_argument("--outer-momentum-decay", type=int, default=d.outer_momentum_decay,
                    help="last outer steps over which the outer momentum falls to 0 (0: off)")
-    t.add_argument("--inner-lr", type=float, default=d.inner_lr)
+    t.add_argument("--inner-lr", type=float, default=None,
+                   help="default: by model and batch (tiny 5e-3; small 7e-4, 2e-3 above 8,192 tokens "
+                        "per learner step; others half of small's)")
     t.add_argument("--inner-optimizer", choices=INNER_OPTIMIZERS, default=d.inner_optimizer,
                    help="muon: Muon for the hidden matrices, AdamW for the rest (MuLoCo)")
     t.add_argument("--muon-momentum", type=float, default=d.muon_momentum)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from trainer.cli import build_parser, config_from_args
-from trainer.config import TrainConfig, default_fragments, default_quorum, token_budget
+from trainer.config import TrainConfig, default_fragments, default_inner_lr, default_quorum, token_budget
 from trainer.spec import JobSpec, stored_spec
 
 # Spec fields the engine config does not carry (the platform reads them from the spec): placement,
@@ -47,6 +47,21 @@ def test_the_fragments_default_is_four_at_most_h_everywhere(inner_steps):
     got = (spec.fragments, TrainConfig.from_spec(spec).fragments, cli.fragments, engine.fragments)
     assert got == (expected,) * 4
     assert spec.fragment_mode == cli.fragment_mode == engine.fragment_mode == "balanced"
+
+
+@pytest.mark.parametrize(
+    ("model", "batch", "seq", "expected"),
+    [("tiny", 16, 64, 5e-3), ("small", 16, 64, 7e-4), ("small", 64, 256, 2e-3), ("base", 16, 64, 5e-4)],
+)
+def test_the_inner_lr_default_follows_model_and_batch_everywhere(model, batch, seq, expected):
+    spec = JobSpec(model=model, batch_size=batch, seq_len=seq)
+    argv = ["train", "--model", model, "--batch-size", str(batch), "--seq-len", str(seq)]
+    cli = config_from_args(build_parser().parse_args(argv))
+    engine = TrainConfig(model=model, batch_size=batch, seq_len=seq)
+    assert default_inner_lr(model, batch * seq) == expected
+    got = (spec.inner_lr, TrainConfig.from_spec(spec).inner_lr, cli.inner_lr, engine.inner_lr)
+    assert got == (expected,) * 4
+    assert JobSpec(model=model, batch_size=batch, seq_len=seq, inner_lr=3e-3).inner_lr == 3e-3
 
 
 def test_a_named_fragment_count_is_kept_and_checked():
