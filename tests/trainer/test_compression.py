@@ -177,3 +177,39 @@ def test_quantizing_in_chunks_gives_the_same_entries(method, monkeypatch):
     monkeypatch.setattr(compression, "_QUANT_CHUNK", 3)  # blocks 3 at a time, ragged last chunk
     chunked = load(encode(t, method))
     assert set(chunked) == set(whole) and all(torch.equal(chunked[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_our_safetensors_writer_is_read_by_safetensors_and_its_files_by_us(method):
+    """encode writes the safetensors layout itself (one copy); the library must agree with it."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load, save
+
+    t = _tensors()
+    t["half"] = torch.randn(5, 3).to(torch.bfloat16)
+    t["empty"] = torch.zeros(0, 4)
+    blob = encode(t, method, meta={"kind": "x"})
+    (hlen,) = struct.unpack("<Q", blob[:8])
+    assert hlen % 8 == 0  # the data starts 8-byte aligned, as safetensors writes it
+    entries = load(blob)
+    header = json.loads(blob[8:8 + hlen])
+    assert sorted(k for k in header if k != "__metadata__") == sorted(entries)
+    rewritten = save(entries, metadata=header["__metadata__"])  # the library's own file of the same entries
+    for b in (blob, rewritten):
+        back = decode(b)
+        assert set(back) == set(t)
+        assert all(back[n].shape == t[n].shape for n in t)
+    assert all(torch.equal(decode(blob)[n], decode(rewritten)[n]) for n in t)
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:  # the file reader agrees too
+        path = os.path.join(d, "p.safetensors")
+        with open(path, "wb") as f:
+            f.write(blob)
+        with safe_open(path, framework="pt") as f:
+            assert sorted(f.keys()) == sorted(entries)
+            assert f.metadata() == header["__metadata__"]
+            assert all(torch.equal(f.get_tensor(k), entries[k]) for k in entries)
