@@ -15,10 +15,13 @@ the same bits.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
+
+from trainer import merge_native
 
 # elements per chunk: K scratch rows + the update + weights + momentum of a chunk stay in cache
 CHUNK_ELEMENTS = 1 << 18
@@ -71,6 +74,8 @@ class FragmentLayout:
         self.shapes = [torch.Size(s) for s in shapes]
         sizes = [math.prod(s) for s in self.shapes]
         self.numel = sum(sizes)
+        ends = list(itertools.accumulate(sizes))
+        self.offsets = [(e - n, e) for n, e in zip(sizes, ends, strict=True)]  # each tensor's slice
         self.chunks: list[tuple[int, int, int, int]] = []  # first tensor, end tensor, start, end
         first, start, off = 0, 0, 0
         for i, n in enumerate(sizes):
@@ -108,7 +113,18 @@ def fused_merge(
 ) -> tuple[list[float], list[float]]:
     """Merge `deltas` (K lists of the fragment's tensors) into `acc` (flat), apply the outer
     step to `params` (flat) and return (per-tensor norms of the merged update, the dot product
-    of each contribution with it), both taken before the step consumes `acc`."""
+    of each contribution with it), both taken before the step consumes `acc`.
+
+    Runs as two C passes per tensor (`trainer.merge_native`) where that kernel is built and the
+    contributions are contiguous fp32; otherwise op by op, chunk by chunk, below."""
+    lib = merge_native.kernel()
+    if lib is not None and all(merge_native.usable(t) for d in deltas for t in d):
+        n = len(layout.shapes)
+        alpha = [[a if isinstance(a, float | int) else a[i] for a in combine.alpha] for i in range(n)]
+        return merge_native.native_merge(
+            lib, layout.offsets, deltas, alpha, combine.magnitude, combine.embedding,
+            acc, params, step.momentum, step.lr, step.mu, step.fresh,
+        )
     k = len(deltas)
     buf, rows = layout.scratch(k)
     acc_views = layout.views(acc)
