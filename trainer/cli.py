@@ -114,8 +114,9 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--inner-state", choices=INNER_STATES, default=d.inner_state,
                    help="keep or reset the inner optimizer's state of a fragment on adopting a global")
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    t.add_argument("--inner-prox", type=float, default=d.inner_prox,
-                   help="pull towards the adopted global per unit of inner lr (0: off)")
+    t.add_argument("--inner-prox", type=float, default=None,
+                   help="pull towards the adopted global per unit of inner lr (0: off; default 0.125 / "
+                   "inner lr, e.g. 25 at 5e-3)")
     t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     t.add_argument("--grad-clip", type=float, default=d.grad_clip)
     t.add_argument("--batch-size", type=int, default=d.batch_size)

@@ -24,7 +24,11 @@ LARGE_BATCH_TOKENS = 8192  # tokens per learner step above which LARGE_BATCH_INN
 FALLBACK_INNER_LR = 5e-4
 LARGE_BATCH_FALLBACK_INNER_LR = 1e-3
 
-DEFAULT_INNER_PROX = 25.0  # docs/engine.md, "Defaults": the run behind each default
+# The inner prox a job gets when it names none pulls a learner 1/8 of the way back to the adopted
+# global per inner step at full lr (prox = DEFAULT_PULL / inner_lr: tiny at 5e-3 gets 25, small at
+# 7e-4 about 179). docs/engine.md, "Defaults": the runs behind it.
+DEFAULT_PULL = 0.125
+MAX_INNER_PROX = 10_000.0
 DEFAULT_FRAGMENTS = 4      # P when a job names none (at most H): docs/engine.md, "Defaults"
 
 
@@ -37,8 +41,9 @@ def default_inner_lr(model: str, batch_tokens: int = 1024) -> float:
 
 
 def default_inner_prox(inner_lr: float) -> float:
-    """The inner prox a job gets when it names none: 25, capped so a step never pulls past the global."""
-    return min(DEFAULT_INNER_PROX, 1.0 / inner_lr)
+    """The inner prox a job gets when it names none: the same pull per step (DEFAULT_PULL of the
+    way back to the global) whatever the inner lr, as the pull of a step is lr x prox."""
+    return min(DEFAULT_PULL / inner_lr, MAX_INNER_PROX)
 
 
 def default_fragments(inner_steps: int) -> int:
@@ -80,7 +85,7 @@ class TrainConfig:
     muon_momentum: float = 0.95       # Muon's own (Nesterov) momentum, with inner_optimizer muon
     inner_state: str = "keep"         # keep | reset the inner optimizer's state on adoption
     weight_decay: float = 0.1
-    inner_prox: float = DEFAULT_INNER_PROX  # pull towards the adopted global, per unit of inner lr (0: off)
+    inner_prox: float | None = None   # pull towards the global per unit of inner lr (0: off; None: by lr)
     warmup_steps: int = 20
     grad_clip: float = 1.0
     batch_size: int = 16
@@ -117,6 +122,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.inner_lr is None:
             self.inner_lr = default_inner_lr(self.model, self.batch_size * self.seq_len)
+        if self.inner_prox is None:
+            self.inner_prox = default_inner_prox(self.inner_lr)
         if self.fragments is None and isinstance(self.inner_steps, int):
             self.fragments = default_fragments(self.inner_steps)
         self.validate()

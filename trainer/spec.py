@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.config import (
-    DEFAULT_INNER_PROX,
+    MAX_INNER_PROX,
     TrainConfig,
     default_fragments,
     default_inner_lr,
@@ -84,10 +84,11 @@ class JobSpec(BaseModel):
         "tokens per learner step; others half of small's",
     )
     weight_decay: float = Field(_D["weight_decay"], ge=0, le=1.0)
-    inner_prox: float = Field(
-        DEFAULT_INNER_PROX, ge=0, le=10_000,
+    inner_prox: float | None = Field(
+        None, ge=0, le=MAX_INNER_PROX,
         description="pull of each inner step towards the adopted global weights, per unit of inner lr "
-        "(FedProx-style, keeps the learners from drifting apart; 0: off; default 25, at most 1 / inner_lr)",
+        "(FedProx-style, keeps the learners from drifting apart; 0: off; default 0.125 / inner_lr, "
+        "e.g. 25 at 5e-3; at most 1 / inner_lr)",
     )
     rda: bool = Field(_D["rda"], description="radial-directional averaging of the merged pseudo-gradients")
     warmup_steps: int = Field(_D["warmup_steps"], ge=0, le=100_000)
@@ -165,7 +166,7 @@ class JobSpec(BaseModel):
             raise ValueError("quorum: must not exceed learners")
         if self.inner_lr is None:
             self.inner_lr = default_inner_lr(self.model, self.batch_size * self.seq_len)
-        if "inner_prox" not in self.model_fields_set:
+        if self.inner_prox is None:
             self.inner_prox = default_inner_prox(self.inner_lr)
         if self.inner_lr * self.inner_prox > 1:
             raise ValueError("inner_prox: inner_lr x inner_prox must be <= 1 (no pull past the global)")

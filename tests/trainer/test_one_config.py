@@ -64,6 +64,26 @@ def test_the_inner_lr_default_follows_model_and_batch_everywhere(model, batch, s
     assert JobSpec(model=model, batch_size=batch, seq_len=seq, inner_lr=3e-3).inner_lr == 3e-3
 
 
+@pytest.mark.parametrize(("model", "lr"), [("tiny", None), ("small", None), ("small", 1e-3), ("tiny", 2e-5)])
+def test_the_inner_prox_default_pulls_the_same_share_per_step_at_any_inner_lr(model, lr):
+    """Unnamed, inner_prox is 0.125 / inner_lr (a step pulls 1/8 of the way back to the global),
+    in the spec, the engine config and the CLI alike; a named one is kept."""
+    extra = {} if lr is None else {"inner_lr": lr}
+    spec = JobSpec(model=model, **extra)
+    argv = ["train", "--model", model] + ([] if lr is None else ["--inner-lr", str(lr)])
+    cli = config_from_args(build_parser().parse_args(argv))
+    engine = TrainConfig(model=model, **extra)
+    inner_lr = spec.inner_lr
+    expected = min(0.125 / inner_lr, 10_000.0)
+    got = (spec.inner_prox, TrainConfig.from_spec(spec).inner_prox, cli.inner_prox, engine.inner_prox)
+    assert got == (pytest.approx(expected),) * 4
+    assert inner_lr * spec.inner_prox <= 0.125 + 1e-12
+    if (model, lr) == ("tiny", None):
+        assert spec.inner_prox == 25.0  # tiny's measured default, unchanged
+    assert JobSpec(model=model, inner_prox=0, **extra).inner_prox == 0
+    assert TrainConfig(model=model, inner_prox=10.0, **extra).inner_prox == 10.0
+
+
 def test_a_named_fragment_count_is_kept_and_checked():
     assert JobSpec(inner_steps=20, fragments=1).fragments == 1
     with pytest.raises(ValueError, match="fragments"):
