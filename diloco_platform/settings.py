@@ -262,6 +262,9 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "apps.api.pagination.BoundedLimitOffsetPagination",
     "DEFAULT_PARSER_CLASSES": ["apps.api.parsers.BoundedJSONParser"],
+    # JSON encoded by orjson (apps/api/renderers.py: the same values as DRF's encoder gives)
+    "DEFAULT_RENDERER_CLASSES": ["apps.api.renderers.FastJSONRenderer",
+                                 "rest_framework.renderers.BrowsableAPIRenderer"],
     "EXCEPTION_HANDLER": "apps.api.exceptions.api_exception_handler",
     "PAGE_SIZE": 50,
     # Rate limits (DRF syntax "N/second|minute|hour|day"); counters live in the default cache.
