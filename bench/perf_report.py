@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 RUNNER_TARGET = 1.3  # decoupled/diloco wall time <= 1.3x ddp's (issue 19)
 STRATEGIES = ("ddp", "diloco", "decoupled")
-API_FIGURES = (("p50_ms", "ms"), ("p95_ms", "ms"), ("p99_ms", "ms"), ("throughput_rps", "req/s"))
+API_FIGURES = (("p50_ms", "ms"), ("p95_ms", "ms"), ("p99_ms", "ms"), ("throughput_rps", "req/s"),
+               ("server_cpu_ms_per_request", "ms/request"), ("client_cpu_ms_per_request", "ms/request"))
 
 
 def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, float]:
@@ -132,8 +133,9 @@ def api(quick: bool) -> tuple[list[dict], dict]:
     for level, results in doc["runs"].items():
         for name, r in results.items():
             for key, unit in API_FIGURES:
-                rows.append(_row("api", f"{level} client(s), {name}: {key.split('_')[0]}",
-                                 round(r[key], 1), unit))
+                if r.get(key) is not None:
+                    label = key.split("_")[0] + (" CPU" if key.endswith("cpu_ms_per_request") else "")
+                    rows.append(_row("api", f"{level} client(s), {name}: {label}", round(r[key], 2), unit))
     rows += [_row("api", "target", t["value"], target=t["target"], met=t["met"]) for t in doc["targets"]]
     rows.append(_row("api", "server", doc["server"]))
     return rows, doc
