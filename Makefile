@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench compare perf install browser clean
+.PHONY: demo test lint bench compare compare-small perf install browser clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || (echo "need $(PY)"; exit 1)
@@ -49,6 +49,15 @@ compare: $(STAMP)
 		--eval-batches 32 --eval-every 1 \
 		--json bench/results/compare.json --plot bench/results/compare.png \
 		--markdown bench/results/compare.md
+
+# The same for `small` on the CPU, 600 inner steps, seed 0, ddp at its best of 1e-3 / 1.5e-3 /
+# 2e-3 (docs/engine.md, "Defaults"): about an hour on 2 cores (the two runs one after the other).
+compare-small: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python -m trainer compare --model small -M 4 -H 20 --steps 600 --seeds 0 --baseline-inner-lr 1.5e-3 \
+		--eval-batches 32 --eval-every 1 \
+		--json bench/results/compare_small.json --plot bench/results/compare_small.png \
+		--markdown bench/results/compare_small.md
 
 # Issue 19's figures in one table: engine (trainer.perf), in-process runner (ddp/diloco/decoupled,
 # tiny M=4 1600 steps: several minutes) and the API (api_bench: needs DATABASE_URL, REDIS_URL).

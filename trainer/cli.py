@@ -116,7 +116,7 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
     t.add_argument("--inner-prox", type=float, default=None,
                    help="pull towards the adopted global per unit of inner lr (0: off; default 0.125 / "
-                   "inner lr, e.g. 25 at 5e-3)")
+                   "inner lr, e.g. 25 at 5e-3; 0.05 / inner lr above 8,192 tokens per learner step)")
     t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     t.add_argument("--grad-clip", type=float, default=d.grad_clip)
     t.add_argument("--batch-size", type=int, default=d.batch_size)

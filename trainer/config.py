@@ -15,8 +15,8 @@ from typing import Any
 STRATEGIES = ("single", "ddp", "diloco", "decoupled")
 # Inner AdamW lr of the local-step strategies by model size and batch (docs/engine.md,
 # "Defaults"), each the best of a sweep where one was run: at up to 8,192 tokens per learner step
-# (the CPU's 16x64 default) tiny 5e-3 and small 7e-4 (600 steps: 7e-4 / 1e-3 / 1.5e-3 / 5e-3 gave
-# 1.565 / 1.583 / 1.660 / 2.430, ddp 1.457); at larger batches small 2e-3 (a GPU sweep at 64x256).
+# (the CPU's 16x64 default) tiny 5e-3 and small 7e-4 (600 steps at prox 25: 7e-4 / 1e-3 / 1.5e-3 /
+# 5e-3 gave 1.565 / 1.583 / 1.660 / 2.430); at larger batches small 2e-3 (a GPU sweep at 64x256).
 # base and factories get about half of small's, and tiny keeps its value at large batches: not measured.
 DEFAULT_INNER_LR = {"tiny": 5e-3, "small": 7e-4, "base": 5e-4}
 LARGE_BATCH_INNER_LR = {"tiny": 5e-3, "small": 2e-3, "base": 1e-3}
@@ -24,10 +24,12 @@ LARGE_BATCH_TOKENS = 8192  # tokens per learner step above which LARGE_BATCH_INN
 FALLBACK_INNER_LR = 5e-4
 LARGE_BATCH_FALLBACK_INNER_LR = 1e-3
 
-# The inner prox a job gets when it names none pulls a learner 1/8 of the way back to the adopted
-# global per inner step at full lr (prox = DEFAULT_PULL / inner_lr: tiny at 5e-3 gets 25, small at
-# 7e-4 about 179). docs/engine.md, "Defaults": the runs behind it.
+# The inner prox a job gets when it names none pulls a learner a fixed share of the way back to the
+# adopted global per inner step at full lr (prox = pull / inner_lr): 1/8 at up to LARGE_BATCH_TOKENS
+# (tiny at 5e-3 gets 25, small at 7e-4 about 179: CPU sweeps), 0.05 above (small at 2e-3 gets 25,
+# the setting of the GPU runs at 64x256). docs/engine.md, "Defaults": the runs behind them.
 DEFAULT_PULL = 0.125
+LARGE_BATCH_PULL = 0.05
 MAX_INNER_PROX = 10_000.0
 DEFAULT_FRAGMENTS = 4      # P when a job names none (at most H): docs/engine.md, "Defaults"
 
@@ -40,10 +42,12 @@ def default_inner_lr(model: str, batch_tokens: int = 1024) -> float:
     return DEFAULT_INNER_LR.get(model, FALLBACK_INNER_LR)
 
 
-def default_inner_prox(inner_lr: float) -> float:
-    """The inner prox a job gets when it names none: the same pull per step (DEFAULT_PULL of the
-    way back to the global) whatever the inner lr, as the pull of a step is lr x prox."""
-    return min(DEFAULT_PULL / inner_lr, MAX_INNER_PROX)
+def default_inner_prox(inner_lr: float, batch_tokens: int = 1024) -> float:
+    """The inner prox a job gets when it names none: the same pull per step (a share of the way
+    back to the global) whatever the inner lr, as the pull of a step is lr x prox; a larger
+    batch's steps drift less and were measured with a lighter pull."""
+    pull = LARGE_BATCH_PULL if batch_tokens > LARGE_BATCH_TOKENS else DEFAULT_PULL
+    return min(pull / inner_lr, MAX_INNER_PROX)
 
 
 def default_fragments(inner_steps: int) -> int:
@@ -123,7 +127,7 @@ class TrainConfig:
         if self.inner_lr is None:
             self.inner_lr = default_inner_lr(self.model, self.batch_size * self.seq_len)
         if self.inner_prox is None:
-            self.inner_prox = default_inner_prox(self.inner_lr)
+            self.inner_prox = default_inner_prox(self.inner_lr, self.batch_size * self.seq_len)
         if self.fragments is None and isinstance(self.inner_steps, int):
             self.fragments = default_fragments(self.inner_steps)
         self.validate()

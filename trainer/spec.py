@@ -88,7 +88,7 @@ class JobSpec(BaseModel):
         None, ge=0, le=MAX_INNER_PROX,
         description="pull of each inner step towards the adopted global weights, per unit of inner lr "
         "(FedProx-style, keeps the learners from drifting apart; 0: off; default 0.125 / inner_lr, "
-        "e.g. 25 at 5e-3; at most 1 / inner_lr)",
+        "e.g. 25 at 5e-3, and 0.05 / inner_lr above 8,192 tokens per learner step; at most 1 / inner_lr)",
     )
     rda: bool = Field(_D["rda"], description="radial-directional averaging of the merged pseudo-gradients")
     warmup_steps: int = Field(_D["warmup_steps"], ge=0, le=100_000)
@@ -167,7 +167,7 @@ class JobSpec(BaseModel):
         if self.inner_lr is None:
             self.inner_lr = default_inner_lr(self.model, self.batch_size * self.seq_len)
         if self.inner_prox is None:
-            self.inner_prox = default_inner_prox(self.inner_lr)
+            self.inner_prox = default_inner_prox(self.inner_lr, self.batch_size * self.seq_len)
         if self.inner_lr * self.inner_prox > 1:
             raise ValueError("inner_prox: inner_lr x inner_prox must be <= 1 (no pull past the global)")
         if self.fragments is None:

@@ -84,6 +84,18 @@ def test_the_inner_prox_default_pulls_the_same_share_per_step_at_any_inner_lr(mo
     assert TrainConfig(model=model, inner_prox=10.0, **extra).inner_prox == 10.0
 
 
+def test_large_batches_get_the_lighter_pull_their_gpu_runs_were_measured_with():
+    """Above 8,192 tokens per learner step the default pull is 0.05 per step: small at 64 x 256
+    gets inner lr 2e-3 and prox 25, the settings of the GPU runs in docs/engine.md."""
+    spec = JobSpec(model="small", batch_size=64, seq_len=256)
+    argv = ["train", "--model", "small", "--batch-size", "64", "--seq-len", "256"]
+    cli = config_from_args(build_parser().parse_args(argv))
+    engine = TrainConfig(model="small", batch_size=64, seq_len=256)
+    for got in (spec, TrainConfig.from_spec(spec), cli, engine):
+        assert got.inner_lr == 2e-3 and got.inner_prox == pytest.approx(25.0)
+    assert JobSpec(model="small", batch_size=64, seq_len=256, inner_lr=1e-3).inner_prox == pytest.approx(50.0)
+
+
 def test_a_named_fragment_count_is_kept_and_checked():
     assert JobSpec(inner_steps=20, fragments=1).fragments == 1
     with pytest.raises(ValueError, match="fragments"):
