@@ -15,6 +15,7 @@ The workers use a connection pool instead (DB_POOL, on by default here: `web_db_
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -35,6 +36,18 @@ def web_db_pool(env: Mapping[str, str] = os.environ) -> list[str]:
     if "DB_POOL" in env or env.get("CONN_MAX_AGE", "0") not in ("", "0"):
         return []
     return ["DB_POOL=1"] if importlib.util.find_spec("psycopg_pool") else []
+
+
+def post_worker_init(worker) -> None:
+    """gunicorn hook, in each worker once the app is loaded: import every view now (not on the
+    first request), then move the startup heap (Django, DRF, torch: about 290k objects) out of
+    the cyclic collector's reach with gc.freeze(). Measured in-process (issue 19): a full
+    collection over that heap took about 350 ms, a stall for every request of the worker, and
+    one came every few hundred metrics requests; frozen, a full collection takes about 10 ms."""
+    from django.urls import get_resolver
+
+    get_resolver().url_patterns  # noqa: B018 - the import is the point
+    gc.freeze()
 
 
 worker_class = "uvicorn_worker.UvicornWorker"

@@ -131,3 +131,19 @@ def test_settings_pool_only_when_asked_and_never_with_persistent_connections():
     assert on.returncode == 0 and '"max_size": 8' in on.stdout
     both = _settings_probe({"DB_POOL": "1", "CONN_MAX_AGE": "60"})
     assert both.returncode == 1 and "exclude each other" in both.stderr
+
+
+def test_web_workers_freeze_their_startup_heap_after_loading_every_view():
+    """gunicorn's post_worker_init: the URLconf (every view) is imported, then gc.freeze()
+    keeps the startup heap out of the collector's full collections (docs/api.md)."""
+    import gc
+
+    from diloco_platform.gunicorn_conf import post_worker_init
+
+    assert gc.get_freeze_count() == 0
+    try:
+        post_worker_init(worker=None)
+        assert gc.get_freeze_count() > 10_000
+        assert "apps.api.views.jobs" in sys.modules
+    finally:
+        gc.unfreeze()
