@@ -75,7 +75,9 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
         if (name, lid) != key:
             key = (name, lid)
             out.append({"name": name, "learner": index, "points": []})
-        out[-1]["points"].append([float(step), float(value), float(t) if postgres else _as_unix(t)])
+        # a tuple of floats, not a list: the cyclic collector untracks it (issue 19: fewer tracked
+        # objects per response, shorter collections); JSON writes it as the same array
+        out[-1]["points"].append((float(step), float(value), float(t) if postgres else _as_unix(t)))
     out.sort(key=lambda s: (s["name"], -1 if s["learner"] is None else s["learner"]))
     return out
 
