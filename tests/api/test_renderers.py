@@ -24,7 +24,8 @@ def _both(data, media_type=None, context=None) -> tuple[bytes, bytes]:
 SAMPLES = [
     {"a": 1, "b": [1.5, 2.0, 1e-05, 1e16, -0.0, 123456789.123456789], "c": None, "d": True},
     {"when": dt.datetime(2026, 12, 6, 21, 3, 4, 567891, tzinfo=UTC),
-     "naive": dt.datetime(2026, 12, 6, 21, 3, 4),  # noqa: DTZ001 (DRF writes naive ones too) "day": dt.date(2026, 12, 6),
+     "naive": dt.datetime(2026, 12, 6, 21, 3, 4),  # noqa: DTZ001 - DRF writes naive ones too
+     "day": dt.date(2026, 12, 6),
      "clock": dt.time(21, 3, 4, 500), "took": dt.timedelta(seconds=90.5)},
     {"price": Decimal("1.10"), "id": uuid.UUID(int=7), "lazy": gettext_lazy("Not found."),
      "text": "naïve – ünïcode ✓", "bytes": b"raw"},
