@@ -44,8 +44,8 @@ def default_inner_lr(model: str, batch_tokens: int = 1024) -> float:
 
 def default_inner_prox(inner_lr: float, batch_tokens: int = 1024) -> float:
     """The inner prox a job gets when it names none: the same pull per step (a share of the way
-    back to the global) whatever the inner lr, as the pull of a step is lr x prox; a larger
-    batch's steps drift less and were measured with a lighter pull."""
+    back to the global) whatever the inner lr, as the pull of a step is lr x prox. Large batches
+    get the lighter pull their GPU runs were measured with (a larger one is not measured there)."""
     pull = LARGE_BATCH_PULL if batch_tokens > LARGE_BATCH_TOKENS else DEFAULT_PULL
     return min(pull / inner_lr, MAX_INNER_PROX)
 
