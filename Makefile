@@ -50,11 +50,11 @@ compare: $(STAMP)
 		--json bench/results/compare.json --plot bench/results/compare.png \
 		--markdown bench/results/compare.md
 
-# The same for `small` on the CPU, 600 inner steps, seed 0, ddp at its best of 1e-3 / 1.5e-3 /
+# The same for `small` on the CPU, 600 inner steps, seed 0, ddp at 1e-3, its best of 1e-3 / 1.5e-3 /
 # 2e-3 (docs/engine.md, "Defaults"): about an hour on 2 cores (the two runs one after the other).
 compare-small: $(STAMP)
 	mkdir -p bench/results
-	$(BIN)/python -m trainer compare --model small -M 4 -H 20 --steps 600 --seeds 0 --baseline-inner-lr 1.5e-3 \
+	$(BIN)/python -m trainer compare --model small -M 4 -H 20 --steps 600 --seeds 0 --baseline-inner-lr 1e-3 \
 		--eval-batches 32 --eval-every 1 \
 		--json bench/results/compare_small.json --plot bench/results/compare_small.png \
 		--markdown bench/results/compare_small.md
