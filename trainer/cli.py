@@ -103,8 +103,9 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
     t.add_argument("--outer-momentum-warmup", type=int, default=d.outer_momentum_warmup,
                    help="outer steps over which the outer momentum ramps up from 0")
-    t.add_argument("--outer-momentum-decay", type=int, default=d.outer_momentum_decay,
-                   help="last outer steps over which the outer momentum falls to 0 (0: off)")
+    t.add_argument("--outer-momentum-decay", type=int, default=None,
+                   help="last outer steps over which the outer momentum falls to 0 (0: off; default: "
+                   "a quarter of the outer steps, steps // H)")
     t.add_argument("--inner-lr", type=float, default=None,
                    help="default: by model and batch (tiny 5e-3; small 7e-4, 2e-3 above 8,192 tokens "
                         "per learner step; others half of small's)")

@@ -33,6 +33,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "inner_prox": 50.0,
         "outer_lr": 0.7,
         "outer_momentum": 0.7,
+        "outer_momentum_decay": 0,
         "rda": True,
     },
 }

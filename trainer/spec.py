@@ -18,6 +18,7 @@ from trainer.config import (
     default_fragments,
     default_inner_lr,
     default_inner_prox,
+    default_outer_momentum_decay,
     default_quorum,
     token_budget,
 )
@@ -69,9 +70,10 @@ class JobSpec(BaseModel):
     outer_momentum_warmup: int = Field(
         _D["outer_momentum_warmup"], ge=0, le=100_000,
         description="outer steps over which the outer momentum ramps up from 0")
-    outer_momentum_decay: int = Field(
-        _D["outer_momentum_decay"], ge=0, le=100_000,
-        description="last outer steps of the run over which the outer momentum falls to 0 (0: off)")
+    outer_momentum_decay: int | None = Field(
+        None, ge=0, le=100_000,
+        description="last outer steps of the run over which the outer momentum falls to 0 (0: off; "
+        "default a quarter of the run's outer steps, steps // inner_steps)")
     inner_optimizer: InnerOptimizer = Field(
         _D["inner_optimizer"],
         description="adamw, or muon: Muon for the hidden matrices and AdamW for the rest (MuLoCo)")
@@ -172,6 +174,8 @@ class JobSpec(BaseModel):
             raise ValueError("inner_prox: inner_lr x inner_prox must be <= 1 (no pull past the global)")
         if self.fragments is None:
             self.fragments = default_fragments(self.inner_steps)
+        if self.outer_momentum_decay is None:
+            self.outer_momentum_decay = default_outer_momentum_decay(self.steps, self.inner_steps)
         if self.fragments > self.inner_steps:
             raise ValueError("fragments: must not exceed inner_steps (one sync per step at most)")
         if self.batch_size % self.devices_per_learner:

@@ -1,4 +1,5 @@
-"""Jobs stored before `fragment_mode` existed keep the strided fragments they ran with."""
+"""Jobs stored before `fragment_mode` or `outer_momentum_decay` existed keep the strided fragments
+and the undecayed outer momentum they ran with."""
 from __future__ import annotations
 
 import importlib
@@ -14,6 +15,7 @@ from .conftest import TINY
 pytestmark = pytest.mark.django_db
 
 migration = importlib.import_module("apps.jobs.migrations.0003_spec_fragment_mode")
+decay_migration = importlib.import_module("apps.jobs.migrations.0004_spec_outer_momentum_decay")
 
 
 def test_old_specs_keep_strided_and_new_ones_are_left_alone(owner):
@@ -26,3 +28,15 @@ def test_old_specs_keep_strided_and_new_ones_are_left_alone(owner):
     assert old.spec["fragment_mode"] == "strided" and job_spec(old).fragment_mode == "strided"
     assert new.spec["fragment_mode"] == "balanced"
     assert {k: v for k, v in old.spec.items() if k != "fragment_mode"} == TINY
+
+
+def test_old_specs_keep_their_outer_momentum_to_the_end_and_new_ones_are_left_alone(owner):
+    assert "outer_momentum_decay" not in TINY
+    old = Job.objects.create(owner=owner, name="old", spec={**TINY})
+    new = Job.objects.create(owner=owner, name="new", spec={**TINY, "outer_momentum_decay": 7})
+    decay_migration.keep_momentum(django_apps, None)
+    old.refresh_from_db()
+    new.refresh_from_db()
+    assert old.spec["outer_momentum_decay"] == 0 and job_spec(old).outer_momentum_decay == 0
+    assert new.spec["outer_momentum_decay"] == 7
+    assert {k: v for k, v in old.spec.items() if k != "outer_momentum_decay"} == TINY

@@ -10,7 +10,14 @@ import dataclasses
 import pytest
 
 from trainer.cli import build_parser, config_from_args
-from trainer.config import TrainConfig, default_fragments, default_inner_lr, default_quorum, token_budget
+from trainer.config import (
+    TrainConfig,
+    default_fragments,
+    default_inner_lr,
+    default_outer_momentum_decay,
+    default_quorum,
+    token_budget,
+)
 from trainer.spec import JobSpec, stored_spec
 
 # Spec fields the engine config does not carry (the platform reads them from the spec): placement,
@@ -94,6 +101,25 @@ def test_large_batches_get_the_lighter_pull_their_gpu_runs_were_measured_with():
     for got in (spec, TrainConfig.from_spec(spec), cli, engine):
         assert got.inner_lr == 2e-3 and got.inner_prox == pytest.approx(25.0)
     assert JobSpec(model="small", batch_size=64, seq_len=256, inner_lr=1e-3).inner_prox == pytest.approx(50.0)
+
+
+@pytest.mark.parametrize(("steps", "inner_steps", "expected"),
+                         [(400, 20, 5), (600, 20, 8), (40, 20, 1), (19, 20, 0), (100_000, 1, 25_000)])
+def test_the_outer_momentum_decays_over_the_last_quarter_of_the_outer_steps_everywhere(
+        steps, inner_steps, expected):
+    """Unnamed, the outer momentum falls to 0 over a quarter of the run's outer steps (rounded):
+    tiny's 20 outer steps get 5, small's 30 get 8 (docs/engine.md, "Defaults"); a named one is kept."""
+    spec = JobSpec(steps=steps, inner_steps=inner_steps, fragments=1)
+    argv = ["train", "--steps", str(steps), "-H", str(inner_steps), "-P", "1"]
+    cli = config_from_args(build_parser().parse_args(argv))
+    engine = TrainConfig(steps=steps, inner_steps=inner_steps, fragments=1)
+    assert default_outer_momentum_decay(steps, inner_steps) == expected
+    got = (spec.outer_momentum_decay, TrainConfig.from_spec(spec).outer_momentum_decay,
+           cli.outer_momentum_decay, engine.outer_momentum_decay)
+    assert got == (expected,) * 4
+    shape = {"steps": steps, "inner_steps": inner_steps, "fragments": 1}
+    assert JobSpec(**shape, outer_momentum_decay=0).outer_momentum_decay == 0
+    assert TrainConfig(**shape, outer_momentum_decay=3).outer_momentum_decay == 3
 
 
 def test_a_named_fragment_count_is_kept_and_checked():
