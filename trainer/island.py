@@ -20,8 +20,11 @@ trainer.island_fsdp.ShardedIsland, on the same start, commands and teardown.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -280,8 +283,10 @@ def teardown() -> None:
     dead connection, and the group's destructor (run when DDP's reducer is freed, after
     destroy_process_group) joins that thread forever: the test process or a worker's pool slot
     hung in 1 of 3 runs here. Abort, then keep each group alive so that destructor never runs."""
+    global _left_a_world
     if not dist.is_initialized():
         return
+    _left_a_world = True
     for pg in list(dist.distributed_c10d._world.pg_map):  # the default group and the islands' own
         try:
             pg.abort()
@@ -295,6 +300,26 @@ def teardown() -> None:
         dist.destroy_process_group()
     except Exception:
         log.debug("destroy_process_group failed", exc_info=True)
+
+
+_left_a_world = False
+
+
+def exit_process(code: int | None) -> None:
+    """End a command-line process that may have led or followed an island.
+
+    The groups teardown() keeps alive still own gloo threads; at interpreter exit the C++ static
+    destructors can meet one of those threads still joinable and call std::terminate, so a rank
+    that finished cleanly exited with SIGABRT (-6) in about 1 of 8 runs here. Such a process
+    flushes what it wrote and leaves with os._exit, skipping those destructors; any other exits
+    the usual way."""
+    if not _left_a_world:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe: nothing more to say
+            stream.flush()
+    os._exit(int(code or 0))
 
 
 class RankStats:

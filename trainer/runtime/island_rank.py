@@ -163,4 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.island import exit_process
+
+    exit_process(main())
