@@ -35,6 +35,7 @@ import hashlib
 import json
 import math
 import struct
+import sys
 
 import torch
 import xxhash
@@ -74,9 +75,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _QUANT_CHUNK = 8192  # blocks quantized at a time: the fp32 temporaries stay small and in cache
+# Added to a float v with |v| < 2**22, 1.5 * 2**23 leaves round(v) (half to even, as torch.round)
+# in the low mantissa bits: the low byte of the sum's bits is round(v) + offset, mod 256. So one
+# add rounds, offsets and converts, where round_, clamp_, add_ and a cast took four passes.
+_ROUNDING_MAGIC = 1.5 * 2**23
+_POOL_MAX = 1 << 16  # tensors up to this many values are quantized together, in one call
+# The byte tricks of _quantize and _dequantize read a value's low byte first.
+assert sys.byteorder == "little", "trainer.compression assumes a little-endian host"
 
 
 def _quantize(x: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax quantization: per block scale = max |x| / qmax, values round(x / scale).
+
+    Chunk by chunk, so the temporaries stay in cache: |x| and its block maxima, x / scale plus
+    the rounding constant, then the low byte of each float's bits (int4: two per byte, the first
+    in the low nibble, each stored + 8). |x / scale| <= qmax up to one rounding of the division,
+    so no value needs a clamp."""
     block, qmax = BLOCK[method], QMAX[method]
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
@@ -87,38 +101,63 @@ def _quantize(x: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]
         padded = torch.zeros(nblocks * block, dtype=torch.float32)
         padded[:n] = flat
         blocks = padded.view(nblocks, block)
-    # max |x| per block without an |x| temporary (amax and amin are vectorised, aminmax is not)
-    scale = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()) / qmax
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    # then chunk by chunk, so the temporaries stay in cache: x / scale rounded and clamped; int4
-    # packs two values per byte as q0 + 16 q1 while still float (exact: 1 + 16 * 15 < 256) and
-    # converts once
     int4 = method == "int4"
+    offset = 8 if int4 else 0  # int8: the low byte of round(v) is its two's complement already
+    scale = torch.empty(nblocks, dtype=torch.float32)
     out = torch.empty(nblocks * block // (2 if int4 else 1), dtype=torch.uint8 if int4 else torch.int8)
+    low = out.view(torch.uint8)
     scratch = torch.empty(min(nblocks, _QUANT_CHUNK), block)
     for lo in range(0, nblocks, _QUANT_CHUNK):
         hi = min(nblocks, lo + _QUANT_CHUNK)
-        q = torch.div(blocks[lo:hi], safe[lo:hi, None], out=scratch[: hi - lo]).round_().clamp_(-qmax, qmax)
+        s, chunk, sc = scratch[: hi - lo], blocks[lo:hi], scale[lo:hi]
+        torch.amax(torch.abs(chunk, out=s), dim=1, out=sc).div_(qmax)
+        torch.div(chunk, torch.where(sc > 0, sc, 1.0)[:, None], out=s).add_(_ROUNDING_MAGIC + offset)
+        raw = s.view(-1).view(torch.uint8)  # little-endian: byte 0 of each float is the value
         if int4:
-            pairs = q.add_(8).view(-1, 2)
-            out[lo * block // 2:hi * block // 2].copy_(torch.add(pairs[:, 0], pairs[:, 1], alpha=16.0))
+            pairs = raw.view(-1, 8)
+            torch.add(pairs[:, 0], pairs[:, 4], alpha=16, out=low[lo * block // 2:hi * block // 2])
         else:
-            out[lo * block:hi * block].copy_(q.view(-1))
-    return out, scale.contiguous()
+            low[lo * block:hi * block].copy_(raw.view(-1, 4)[:, 0])
+    return out, scale
+
+
+def _quantize_all(tensors: dict[str, torch.Tensor], method: str) -> dict[str, tuple[torch.Tensor, ...]]:
+    """`_quantize` of each tensor; the small ones whose size is a whole number of blocks are
+    quantized as one (their blocks never mix), so a model's many norms and biases do not each
+    pay the per-call cost. Their results are views into the pooled output."""
+    block = BLOCK[method]
+    pooled = [n for n, t in tensors.items() if 0 < t.numel() <= _POOL_MAX and t.numel() % block == 0]
+    alone = set(tensors) - set(pooled)
+    out = {n: _quantize(t, method) for n, t in tensors.items() if n in alone}
+    if pooled:
+        q, s = _quantize(torch.cat([tensors[n].detach().reshape(-1).float() for n in pooled]), method)
+        per_byte = 2 if method == "int4" else 1
+        at = 0
+        for n in pooled:
+            k = tensors[n].numel() // block
+            out[n] = (q[at * block // per_byte:(at + k) * block // per_byte], s[at:at + k])
+            at += k
+    return out
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, method: str, shape: list[int]) -> torch.Tensor:
+    """(v - offset) * scale per block, a chunk at a time while it is in cache. int4 unpacks each
+    byte b = lo + 16 hi in int16 as (b | b << 4) & 0x0F0F, whose two bytes are lo and hi in
+    order: contiguous integer operations where two strided nibble copies were twice as slow."""
     block = BLOCK[method]
     nblocks = scale.numel()
     out = torch.empty(nblocks * block, dtype=torch.float32)
     rows = out.view(nblocks, block)
-    for lo in range(0, nblocks, _QUANT_CHUNK):  # a chunk at a time, while it is in cache
+    chunk = min(nblocks, _QUANT_CHUNK) * block // 2
+    wide, spread = (torch.empty(chunk if method == "int4" else 0, dtype=torch.int16) for _ in range(2))
+    for lo in range(0, nblocks, _QUANT_CHUNK):
         hi = min(nblocks, lo + _QUANT_CHUNK)
-        if method == "int4":  # nibbles straight into fp32, then (v - 8) * scale: exact before the product
-            packed = q[lo * block // 2:hi * block // 2]
-            pairs = rows[lo:hi].view(-1, 2)
-            pairs[:, 0].copy_(packed & 0x0F)
-            pairs[:, 1].copy_(packed >> 4)
+        if method == "int4":  # exact before the product: small integers in fp32
+            n = (hi - lo) * block // 2
+            b, w = wide[:n], spread[:n]
+            b.copy_(q[lo * block // 2:hi * block // 2])
+            torch.bitwise_left_shift(b, 4, out=w).bitwise_or_(b).bitwise_and_(0x0F0F)
+            rows[lo:hi].view(-1).copy_(w.view(torch.uint8))
             rows[lo:hi].sub_(8)
         else:
             rows[lo:hi].copy_(q[lo * block:hi * block].view(-1, block))
@@ -131,10 +170,10 @@ def _entries(tensors: dict[str, torch.Tensor], method: str) -> tuple[dict[str, t
         raise ValueError(f"unknown compression {method!r}: use one of {', '.join(METHODS)}")
     entries: dict[str, torch.Tensor] = {}
     spec: dict[str, dict] = {}
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
+    host = {name: t.detach().cpu() for name, t in tensors.items()}
+    quantized = _quantize_all(host, method) if method in BLOCK else {}
+    for name in sorted(host):
+        t = host[name]
         spec[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
         if method == "none":
             t = t.contiguous()
@@ -144,7 +183,7 @@ def _entries(tensors: dict[str, torch.Tensor], method: str) -> tuple[dict[str, t
         elif method == "bf16":
             entries[f"t/{name}"] = t.to(torch.bfloat16).contiguous()
         else:
-            q, s = _quantize(t, method)
+            q, s = quantized[name]
             entries[f"q/{name}"] = q
             entries[f"s/{name}"] = s
     return entries, spec
@@ -313,8 +352,8 @@ def _plain_tensor(entries: dict, name: str, info: dict, method: str) -> torch.Te
     return t if method == "none" else t.float()
 
 
-def _quantized_tensor(entries: dict, name: str, info: dict, method: str,
-                      allow_nonfinite: bool) -> torch.Tensor:
+def _quantized_pair(entries: dict, name: str, info: dict, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (values, scales) entries of `name`, checked for presence, dtype and shape."""
     block = BLOCK[method]
     nblocks = max(1, -(-math.prod(info["shape"]) // block))
     q, s = entries.get(f"q/{name}"), entries.get(f"s/{name}")
@@ -323,13 +362,48 @@ def _quantized_tensor(entries: dict, name: str, info: dict, method: str,
     if (q is None or s is None or q.dtype != qdtype or s.dtype != torch.float32
             or list(q.shape) != [qlen] or list(s.shape) != [nblocks]):
         raise InvalidPayload(f"tensor {name!r}: quantized entries missing or malformed")
-    if method == "int8" and bool((q == -128).any()):
-        raise InvalidPayload(f"tensor {name!r}: value out of the quantization range")
-    if not allow_nonfinite and not bool(torch.isfinite(s).all()):
-        raise InvalidPayload(f"tensor {name!r}: non-finite scale (NaN/Inf)")
-    if bool((s < 0).any()):
-        raise InvalidPayload(f"tensor {name!r}: negative scale")
-    return _dequantize(q, s, method, info["shape"])
+    return q, s
+
+
+def _check_values(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], method: str,
+                  allow_nonfinite: bool) -> None:
+    """Every scale >= 0 (and finite unless allowed), no int8 value at -128: tested over all the
+    tensors at once, then tensor by tensor only to name the first bad one."""
+    def bad(q: torch.Tensor, s: torch.Tensor) -> str | None:
+        if method == "int8" and bool((q == -128).any()):
+            return "value out of the quantization range"
+        if not allow_nonfinite and not bool(torch.isfinite(s).all()):
+            return "non-finite scale (NaN/Inf)"
+        if bool((s < 0).any()):
+            return "negative scale"
+        return None
+
+    if not pairs or bad(*(torch.cat([p[i] for p in pairs.values()]) for i in (0, 1))) is None:
+        return
+    for name, (q, s) in pairs.items():
+        if (reason := bad(q, s)) is not None:
+            raise InvalidPayload(f"tensor {name!r}: {reason}")
+
+
+def _quantized_tensors(entries: dict, spec: dict, method: str,
+                       allow_nonfinite: bool) -> dict[str, torch.Tensor]:
+    """Validate and dequantize every tensor; the small ones that `_quantize_all` pooled are
+    dequantized as one, in one call, and returned as views into it."""
+    pairs = {name: _quantized_pair(entries, name, info, method) for name, info in spec.items()}
+    _check_values(pairs, method, allow_nonfinite)
+    block = BLOCK[method]
+    size = {name: math.prod(info["shape"]) for name, info in spec.items()}
+    pooled = [n for n in spec if 0 < size[n] <= _POOL_MAX and size[n] % block == 0]
+    alone = set(spec) - set(pooled)
+    out = {n: _dequantize(*pairs[n], method, spec[n]["shape"]) for n in spec if n in alone}
+    if pooled:
+        q, s = (torch.cat([pairs[n][i] for n in pooled]) for i in (0, 1))
+        whole = _dequantize(q, s, method, [sum(size[n] for n in pooled)])
+        at = 0
+        for n in pooled:
+            out[n] = whole[at:at + size[n]].view(spec[n]["shape"])
+            at += size[n]
+    return {n: out[n] for n in spec}
 
 
 def _entry_keys(spec: dict, method: str) -> set[str]:
@@ -351,8 +425,7 @@ def decode_with_meta(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES,
     if method in ("none", "bf16"):
         out = {name: _plain_tensor(entries, name, info, method) for name, info in spec.items()}
     else:
-        out = {name: _quantized_tensor(entries, name, info, method, allow_nonfinite)
-               for name, info in spec.items()}
+        out = _quantized_tensors(entries, spec, method, allow_nonfinite)
     if set(entries) != _entry_keys(spec, method):
         raise InvalidPayload("payload holds unexpected entries")
     if not allow_nonfinite:

@@ -179,6 +179,59 @@ def test_quantizing_in_chunks_gives_the_same_entries(method, monkeypatch):
     assert set(chunked) == set(whole) and all(torch.equal(chunked[k], whole[k]) for k in whole)
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_entries_are_the_textbook_blockwise_quantization(method):
+    """The fast path (a rounding constant instead of round/clamp/cast, small tensors pooled into
+    one call) writes exactly clamp(round(x / scale), -qmax, qmax) with scale = max |x| / qmax per
+    block, padded with zeros, int4 two per byte (first value in the low nibble, each + 8)."""
+    from safetensors.torch import load
+
+    from trainer.compression import _POOL_MAX, BLOCK, QMAX
+
+    g = torch.Generator().manual_seed(3)
+    t = {"big": torch.randn(_POOL_MAX + 64, generator=g), "ragged": torch.randn(45, generator=g) * 1e3,
+         "norm": torch.randn(128, generator=g) * 1e-6, "bias": torch.randn(96, generator=g),
+         "zeros": torch.zeros(32), "half": torch.randn(64, generator=g).to(torch.bfloat16),
+         "ties": torch.tensor([7.0, 3.5, -2.5, 0.5, 1.5, -0.5] + [0.0] * 26)}
+    entries = load(encode(t, method))
+    block, qmax = BLOCK[method], QMAX[method]
+    for name, x in t.items():
+        flat = x.float().reshape(-1)
+        blocks = torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
+        scale = blocks.abs().amax(dim=1) / qmax
+        q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None]).clamp(-qmax, qmax).reshape(-1)
+        if method == "int4":
+            q = (q[0::2] + 8) + 16 * (q[1::2] + 8)
+        assert torch.equal(entries[f"s/{name}"], scale), name
+        assert torch.equal(entries[f"q/{name}"].to(torch.int64), q.to(torch.int64)), name
+        q = entries[f"q/{name}"].to(torch.int64)
+        x_hat = ((entries[f"q/{name}"].to(torch.int64) if method == "int8" else
+                  torch.stack([q % 16, q // 16], 1).reshape(-1) - 8).float().view(-1, block) * scale[:, None])
+        decoded = decode(encode(t, method))[name].float().reshape(-1)
+        assert torch.equal(decoded, x_hat.reshape(-1)[:flat.numel()]), name
+
+
+@pytest.mark.parametrize(("method", "name", "entry", "value", "reason"), [
+    ("int8", "b", "q", -128, "value out of the quantization range"),
+    ("int4", "b", "s", -1.0, "negative scale"),
+    ("int4", "a", "s", float("nan"), "non-finite scale"),
+    ("int8", "big", "s", float("inf"), "non-finite scale"),
+])
+def test_a_bad_value_is_named_whether_its_tensor_was_pooled_or_not(method, name, entry, value, reason):
+    """Values are checked over all the tensors at once; the error still names the tensor."""
+    from safetensors.torch import load
+
+    from trainer.compression import _POOL_MAX, _safetensors_bytes, entries_checksum, read_header
+
+    t = {"a": torch.randn(64), "b": torch.randn(96), "big": torch.randn(_POOL_MAX + 32)}
+    blob = encode(t, method)
+    entries = load(blob)
+    entries[f"{entry}/{name}"][1] = value
+    metadata = dict(read_header(blob)["__metadata__"], wire_checksum=entries_checksum(entries))
+    with pytest.raises(InvalidPayload, match=f"tensor '{name}': {reason}"):
+        decode(_safetensors_bytes(entries, metadata))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_our_safetensors_writer_is_read_by_safetensors_and_its_files_by_us(method):
     """encode writes the safetensors layout itself (one copy); the library must agree with it."""
