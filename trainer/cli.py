@@ -105,7 +105,7 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
                    help="outer steps over which the outer momentum ramps up from 0")
     t.add_argument("--outer-momentum-decay", type=int, default=None,
                    help="last outer steps over which the outer momentum falls to 0 (0: off; default: "
-                   "a quarter of the outer steps, steps // H)")
+                   "a sixth of the outer steps, steps // H, rounded down)")
     t.add_argument("--inner-lr", type=float, default=None,
                    help="default: by model and batch (tiny 5e-3; small 7e-4, 2e-3 above 8,192 tokens "
                         "per learner step; others half of small's)")
@@ -134,6 +134,9 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--max-staleness", type=int, default=d.max_staleness)
     t.add_argument("--grace-cap", type=float, default=d.grace_cap_s, help="seconds")
     t.add_argument("--fragment-mode", choices=FRAGMENT_MODES, default=d.fragment_mode)
+    t.add_argument("--final-average", action=argparse.BooleanOptionalAction, default=d.final_average,
+                   help="merges after the budget average the learners' models plainly (outer lr 1, no "
+                        "momentum, no RDA)")
     t.add_argument("--rda", action=argparse.BooleanOptionalAction, default=d.rda,
                    help="radial-directional averaging of the merged pseudo-gradients (default on)")
     t.add_argument("--mix-alpha", type=float, default=d.mix_alpha)
@@ -177,6 +180,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         grace_cap_s=a.grace_cap,
         fragment_mode=a.fragment_mode,
         rda=a.rda,
+        final_average=a.final_average,
         mix_alpha=a.mix_alpha,
         eval_every=a.eval_every,
         eval_batches=a.eval_batches,

@@ -34,6 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "outer_lr": 0.7,
         "outer_momentum": 0.7,
         "outer_momentum_decay": 0,
+        "final_average": False,
         "rda": True,
     },
 }

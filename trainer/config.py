@@ -32,10 +32,10 @@ DEFAULT_PULL = 0.125
 LARGE_BATCH_PULL = 0.05
 MAX_INNER_PROX = 10_000.0
 DEFAULT_FRAGMENTS = 4      # P when a job names none (at most H): docs/engine.md, "Defaults"
-# The outer momentum falls to 0 over the last quarter of the run's outer steps when a job names no
-# decay (small on the CPU, 30 outer steps: the last 8 gave 1.481 against 1.491 without, the last 15
-# 1.499; docs/engine.md, "Defaults").
-DEFAULT_MOMENTUM_DECAY_SHARE = 4
+# The outer momentum falls to 0 over the last sixth of the run's outer steps when a job names no
+# decay (small on the CPU, 30 outer steps: the last 3 / 5 / 8 / 15 gave 1.479 / 1.477 / 1.481 /
+# 1.499 against 1.491 without; docs/engine.md, "Defaults").
+DEFAULT_MOMENTUM_DECAY_SHARE = 6
 
 
 def default_inner_lr(model: str, batch_tokens: int = 1024) -> float:
@@ -61,10 +61,12 @@ def default_fragments(inner_steps: int) -> int:
 
 def default_outer_momentum_decay(steps: int, inner_steps: int) -> int:
     """Outer steps at the end of a run over which the outer momentum falls to 0, when a job names
-    none: a quarter of its outer steps (rounded), so the last merges anneal like the inner lr does
-    instead of carrying on the large pseudo-gradients of the middle of the run."""
+    none: a sixth of its outer steps (rounded down), so the last merges anneal like the inner lr
+    does instead of carrying on the large pseudo-gradients of the middle of the run. Measured
+    (docs/engine.md, "Defaults"): tiny's 20 outer steps best at 3 of 1 / 3 / 5 / 10, small's 30
+    at 3-5 of 3 / 5 / 8 / 15."""
     outer = steps // max(1, inner_steps)
-    return (outer + DEFAULT_MOMENTUM_DECAY_SHARE // 2) // DEFAULT_MOMENTUM_DECAY_SHARE
+    return outer // DEFAULT_MOMENTUM_DECAY_SHARE
 
 
 def default_quorum(learners: int) -> int:
@@ -115,6 +117,8 @@ class TrainConfig:
     seed: int = 0
     fragment_mode: str = "balanced"   # balanced: P near-equal fragments; strided: whole layers dealt
     rda: bool = True                  # radial-directional averaging of non-embedding tensors
+    # merges after the budget (the run's last) are the plain average of the learners' models
+    final_average: bool = True
     mix_alpha: float = 0.5            # share of the progress made meanwhile kept on adoption
     device: str = "cpu"
     bf16: bool = False

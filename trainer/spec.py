@@ -73,7 +73,7 @@ class JobSpec(BaseModel):
     outer_momentum_decay: int | None = Field(
         None, ge=0, le=100_000,
         description="last outer steps of the run over which the outer momentum falls to 0 (0: off; "
-        "default a quarter of the run's outer steps, steps // inner_steps)")
+        "default a sixth of the run's outer steps, steps // inner_steps, rounded down)")
     inner_optimizer: InnerOptimizer = Field(
         _D["inner_optimizer"],
         description="adamw, or muon: Muon for the hidden matrices and AdamW for the rest (MuLoCo)")
@@ -93,6 +93,11 @@ class JobSpec(BaseModel):
         "e.g. 25 at 5e-3, and 0.05 / inner_lr above 8,192 tokens per learner step; at most 1 / inner_lr)",
     )
     rda: bool = Field(_D["rda"], description="radial-directional averaging of the merged pseudo-gradients")
+    final_average: bool = Field(
+        _D["final_average"],
+        description="the merges after the budget (steps // inner_steps outer steps) make the global the "
+        "plain token-weighted average of the learners' models: outer lr 1, no momentum, no RDA",
+    )
     warmup_steps: int = Field(_D["warmup_steps"], ge=0, le=100_000)
     grad_clip: float = Field(_D["grad_clip"], gt=0, le=1000)
     batch_size: int = Field(_D["batch_size"], ge=1, le=1024)

@@ -312,10 +312,12 @@ class Syncer:
         acc = self._acc.get(fragment)
         if acc is None:
             acc = self._acc[fragment] = torch.empty(self._layouts[fragment].numel)
-        merged_norms, dots = fused_merge(
-            self._layouts[fragment], deltas, self._combine_rule(names, entries, norm_w), acc,
-            self._flat[fragment], self._step_rule(fragment, version),
-        )
+        if self.final(version):  # the run's last merges: the plain mean of the learners' models
+            combine, step = Combine(alpha=norm_w), OuterStep(1.0, 0.0, None)
+        else:
+            combine, step = self._combine_rule(names, entries, norm_w), self._step_rule(fragment, version)
+        merged_norms, dots = fused_merge(self._layouts[fragment], deltas, combine, acc, self._flat[fragment],
+                                         step)
         merged_norm = math.sqrt(sum(x * x for x in merged_norms))
         new_version = version + 1
         self.versions[fragment] = new_version
@@ -438,6 +440,13 @@ class Syncer:
                 raise ValueError(f"syncer state holds momentum for part of fragment {p}")
             self._mom_flat[p], views = flat_copy([momentum[n] for n in names])
             self.momentum.update(zip(names, views, strict=True))
+
+    def final(self, step: int) -> bool:
+        """Whether the fragment's `step`-th merge comes after the run's budget of outer steps and
+        `final_average` makes it the plain token-weighted mean of the learners' models (outer lr 1,
+        no momentum, no RDA): the mean of models trained to the end of the inner schedule learns
+        better than one more outer step towards it (docs/engine.md, "Defaults")."""
+        return self.config.final_average and step >= self.config.steps // self.config.inner_steps
 
     def momentum_at(self, step: int) -> float:
         """Outer momentum for the fragment's `step`-th outer step (0-based): ramped up linearly

@@ -30,7 +30,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
                   "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),
     ("Optimisation", ("inner_lr", "inner_optimizer", "muon_momentum", "inner_state", "outer_lr",
                       "outer_momentum", "outer_momentum_warmup", "outer_momentum_decay", "weight_decay",
-                      "inner_prox", "rda",
+                      "inner_prox", "rda", "final_average",
                       "grad_clip", "batch_size", "seq_len", "seed")),
     ("Placement", ("objective", "compression", "global_compression", "syncer_shards", "pools")),
 ]

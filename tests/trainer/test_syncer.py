@@ -105,6 +105,30 @@ def test_outer_step_without_momentum_is_plain_averaging_step():
         torch.testing.assert_close(syncer.params[n], init[n] - (d0[n] + d1[n]) / 2)
 
 
+@pytest.mark.parametrize("final_average", [False, True])
+def test_final_average_makes_the_merges_after_the_budget_a_plain_mean(final_average):
+    """steps // inner_steps = 2 outer steps of budget: merges 0 and 1 are outer steps (Nesterov,
+    RDA); with `final_average` every merge after them is the plain token-weighted mean (outer lr 1,
+    no momentum, no RDA), and without it one more outer step."""
+    cfg = _config(learners=2, quorum=2, steps=8, inner_steps=4, outer_lr=0.7, outer_momentum=0.9,
+                  outer_momentum_decay=0, rda=True, final_average=final_average)
+    syncer = Syncer(cfg, _initial(), ManualClock())
+    assert [syncer.final(k) for k in range(4)] == [False, False, final_average, final_average]
+    outer = Syncer(cfg.replace(final_average=False), _initial(), ManualClock())  # the rule without it
+    for version in range(3):
+        d0, d1 = _delta(2 * version, scale=1 + version), _delta(2 * version + 1)
+        before = {n: t.clone() for n, t in syncer.params.items()}
+        for s_ in (syncer, outer):
+            s_.submit(_contrib(0, base_version=version, tokens=300, steps=3, tensors=d0))
+            s_.submit(_contrib(1, base_version=version, tokens=100, steps=4, tensors=d1))
+            s_.merge(0)
+        for n in SHAPES:
+            if final_average and version == 2:  # weights 300 * 100 : 100 * 25 = 12 : 1
+                torch.testing.assert_close(syncer.params[n], before[n] - (12 * d0[n] + d1[n]) / 13)
+            else:
+                torch.testing.assert_close(syncer.params[n], outer.params[n], rtol=0, atol=0)
+
+
 def test_token_weighting():
     """w = tokens * tokens / steps: 300 tokens over 3 steps outweighs 100 over 4 by 9 * 4 = 36."""
     cfg = _config(learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0, rda=False)  # plain averaging
