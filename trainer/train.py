@@ -240,6 +240,7 @@ class LocalRun:
         self._published: dict[int, bytes] = {}
         self._expected = [self.syncer.expected_shapes(p) for p in range(len(self.syncer.fragments))]
         self.initial_val_loss: float | None = None
+        self._evaluated_at = 0  # merges done when the global was last evaluated
 
     @property
     def tokens(self) -> int:
@@ -296,6 +297,7 @@ class LocalRun:
             done = all(learner.done for learner in self.learners)
             if outer % self.config.eval_every == 0 or done:
                 self.curve.append([self.tokens, self.evaluator(self.syncer.params)])
+                self._evaluated_at = self.merges
             _emit(
                 self.progress,
                 strategy=self.strategy,
@@ -351,7 +353,9 @@ class LocalRun:
         return self.report()
 
     def _finish(self) -> None:
-        """Merge what is pending, let every learner adopt and send its unsent progress, merge again."""
+        """Merge what is pending, let every learner adopt and send its unsent progress, merge again;
+        then evaluate the global these last merges made (they add no tokens, so the last point of
+        the curve can be at the same tokens: its loss is then replaced, not kept from before them)."""
         for _ in range(2):
             for p in range(self.P):
                 if self.syncer.pending_count(p):
@@ -362,6 +366,9 @@ class LocalRun:
                 self._send(learner.flush())
         if not self.curve or self.curve[-1][0] != self.tokens:
             self.curve.append([self.tokens, self.evaluator(self.syncer.params)])
+        elif self._evaluated_at != self.merges:
+            self.curve[-1][1] = self.evaluator(self.syncer.params)
+        self._evaluated_at = self.merges
 
     def report(self) -> dict:
         t0 = time.perf_counter() - self.wall_before
@@ -425,6 +432,7 @@ class LocalRun:
         self.curve = [list(x) for x in state["curve"]]
         self.merges = int(state["merges"])
         self.initial_val_loss = state["initial_val_loss"]
+        self._evaluated_at = -1  # unknown: the finish evaluates the global it leaves
         self.wall_before = float(state["wall_before"])
         self._published = {}
 

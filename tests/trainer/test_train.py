@@ -16,6 +16,19 @@ from trainer.runtime.codec import pack, unpack
 from trainer.train import LocalRun, run_local
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_the_final_loss_is_the_loss_of_the_global_the_run_leaves(small_config, stdlib_corpus, fragments):
+    """The finish's merges add no tokens: the curve's last point, evaluated when the learners
+    reached their budget, must still be re-evaluated after them (it reported the global before
+    the last merges, 0.1-1 % off on tiny)."""
+    cfg = small_config(learners=3, quorum=2, fragments=fragments, steps=12, inner_steps=4)
+    run = LocalRun(cfg, "decoupled", corpus=stdlib_corpus)
+    report = run.run()
+    assert report["final_val_loss"] == run.evaluator(run.syncer.params)
+    assert report["val_curve"][-1][1] == report["final_val_loss"]
+    assert len({tokens for tokens, _ in report["val_curve"]}) == len(report["val_curve"])  # one point each
+
+
 def test_decoupled_m1_h1_reproduces_single(small_config, stdlib_corpus):
     """M=1, H=1, P=1, K=1, outer lr 1, momentum 0, no RDA or pull (the plain method): the syncer
     just hands back the learner's weights."""
