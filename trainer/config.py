@@ -97,7 +97,7 @@ class TrainConfig:
     # The defaults are the best measured for the local-step strategies (docs/engine.md, "Defaults").
     outer_momentum: float = 0.9       # Nesterov, ramped up over outer_momentum_warmup outer steps
     outer_momentum_warmup: int = 10   # outer steps over which the momentum ramps up from 0
-    # last outer steps of the run over which it falls to 0 (0: off; None: a quarter of the outer steps)
+    # last outer steps of the run over which it falls to 0 (0: off; None: a sixth of the outer steps)
     outer_momentum_decay: int | None = None
     inner_lr: float | None = None     # None: by model size (default_inner_lr); ddp's own best differs
     inner_optimizer: str = "adamw"    # adamw | muon (trainer.optimizers)

@@ -1,5 +1,5 @@
 """Jobs stored before `outer_momentum_decay` was a spec field ran with the outer momentum held to
-the end; unnamed, it now falls to 0 over the last quarter of the outer steps. Writing 0 into their
+the end; unnamed, it now falls to 0 over the last outer steps (a sixth of them). Writing 0 into their
 specs keeps a resumed job's outer steps as they were."""
 
 from django.db import migrations
