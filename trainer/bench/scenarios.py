@@ -61,7 +61,8 @@ def _train(steps: int, learners: int, **kw) -> TrainConfig:
         "warmup_steps": 10,
         "inner_lr": 3e-3,
         "inner_prox": 25.0,  # the proxy's measured setting (the default, 0.125 / lr, would give 41.7)
-        "outer_momentum_decay": 0,  # the settings the committed bench results were measured with
+        "outer_momentum": 0.9,  # the settings the committed bench results were measured with
+        "outer_momentum_decay": 0,
         "final_average": False,
         "eval_batches": 4,
         "eval_batch_size": 32,
