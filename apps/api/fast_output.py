@@ -21,10 +21,13 @@ from rest_framework.relations import PKOnlyObject
 from rest_framework.settings import api_settings
 
 _MISSING = object()
-Step = tuple[str, Callable[[Any, Any], Any], Callable[[Any], Any] | None]
+# How a step reads its value: a model column (getattr, nothing else: a column's value is never a
+# callable nor a PKOnlyObject), a SerializerMethodField, or DRF's own get_attribute rules.
+_COLUMN, _METHOD, _ATTRIBUTE = 0, 1, 2
+Step = tuple[str, int, Any, Callable[[Any], Any] | None]
 
 
-def _datetime(value):
+def _datetime(value, tz=None):
     """DRF's ISO 8601 output of an aware datetime in the current time zone ('Z' for UTC)."""
     if not value:
         return None
@@ -32,7 +35,7 @@ def _datetime(value):
         return value
     if not timezone.is_aware(value):
         raise _Fallback  # DRF makes it aware first: leave that to DRF
-    text = value.astimezone(timezone.get_current_timezone()).isoformat()
+    text = value.astimezone(tz or timezone.get_current_timezone()).isoformat()
     return text[:-6] + "Z" if text.endswith("+00:00") else text
 
 
@@ -74,36 +77,46 @@ class _Fallback(Exception):  # noqa: N818 - a signal, not an error
     """This value needs DRF's own conversion (a naive datetime)."""
 
 
-def _getter(field: f.Field) -> Callable[[Any, Any], Any] | object:
-    if isinstance(field, f.SerializerMethodField):
-        name = field.method_name
-        return lambda ser, obj: getattr(ser, name)(obj)
+def _getter(field: f.Field) -> Callable[[Any], Any]:
+    """DRF's attribute rules for one field (default, allow_null, skip, callables)."""
     if len(field.source_attrs) == 1:
         attr = field.source_attrs[0]
         proto_get = field.get_attribute
 
-        def get(ser, obj):
+        def get(obj):
             try:
                 value = getattr(obj, attr)
             except AttributeError:
                 return proto_get(obj)  # DRF's rules: default, allow_null, skip
-            return proto_get(obj) if f.is_simple_callable(value) else value
+            return proto_get(obj) if callable(value) and f.is_simple_callable(value) else value
 
         return get
-    return lambda ser, obj: field.get_attribute(obj)  # dotted source: DRF's walk, errors and all
+    return field.get_attribute  # dotted source: DRF's walk, errors and all
+
+
+def _columns(serializer) -> frozenset[str]:
+    """The attribute names that are the serializer's model's own (non-relation) columns."""
+    model = getattr(getattr(serializer, "Meta", None), "model", None)
+    if model is None:
+        return frozenset()
+    return frozenset(c.attname for c in model._meta.concrete_fields if not c.is_relation)
 
 
 def compile_fields(serializer) -> list[Step] | None:
     """The steps that reproduce `serializer`'s output, or None when some field is not covered."""
     steps: list[Step] = []
+    columns = _columns(serializer)
     for field in serializer._readable_fields:
         if isinstance(field, f.SerializerMethodField):
-            steps.append((field.field_name, _getter(field), None))
+            steps.append((field.field_name, _METHOD, field.method_name, None))
             continue
         convert = _converter(field)
         if convert is _MISSING:
             return None
-        steps.append((field.field_name, _getter(field), convert))
+        if field.source_attrs == [field.source] and field.source in columns:
+            steps.append((field.field_name, _COLUMN, field.source, convert))
+        else:
+            steps.append((field.field_name, _ATTRIBUTE, _getter(field), convert))
     return steps
 
 
@@ -123,14 +136,29 @@ class FastOutputMixin:
         if steps is None:
             return super().to_representation(instance)
         ret = {}
+        tz = None
         try:
-            for name, get, convert in steps:
-                try:
-                    value = get(self, instance)
-                except SkipField:
+            for name, kind, arg, convert in steps:
+                if kind is _COLUMN:
+                    value = getattr(instance, arg)
+                elif kind is _METHOD:
+                    ret[name] = getattr(self, arg)(instance)
                     continue
-                check = value.pk if isinstance(value, PKOnlyObject) else value
-                ret[name] = None if check is None else (value if convert is None else convert(value))
+                else:
+                    try:
+                        value = arg(instance)
+                    except SkipField:
+                        continue
+                    if isinstance(value, PKOnlyObject) and value.pk is None:
+                        value = None
+                if value is None or convert is None:
+                    ret[name] = value
+                elif convert is _datetime:
+                    if tz is None:
+                        tz = timezone.get_current_timezone()  # once per object, not per field
+                    ret[name] = _datetime(value, tz)
+                else:
+                    ret[name] = convert(value)
         except _Fallback:
             return super().to_representation(instance)
         return ret

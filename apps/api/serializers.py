@@ -115,7 +115,7 @@ class JobSubmitSerializer(StrictSerializerMixin, serializers.Serializer):
 
 
 class JobSerializer(FastOutputMixin, serializers.ModelSerializer):
-    owner = serializers.CharField(source="owner.username", read_only=True)
+    owner = serializers.SerializerMethodField(help_text="the owner's username")
     total_tokens = serializers.SerializerMethodField()
     tokens_done = serializers.SerializerMethodField(
         help_text="live progress: tokens computed so far (learners' counters while running)")
@@ -128,6 +128,10 @@ class JobSerializer(FastOutputMixin, serializers.ModelSerializer):
                   "tokens_contributed", "tokens_lost", "bytes_sent", "initial_val_loss", "final_val_loss",
                   "energy_j", "cost", "total_tokens", "tokens_done", "progress"]
         read_only_fields = fields
+
+    def get_owner(self, job) -> str:
+        name = getattr(job, "owner_username", None)  # annotated by the API's queries (views.jobs)
+        return job.owner.username if name is None else name
 
     def get_total_tokens(self, job) -> int:
         # progress needs it too: the stored spec is validated once per spec object (a reload

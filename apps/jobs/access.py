@@ -15,6 +15,9 @@ from .models import Job
 def team_names(user) -> list[str]:
     if not getattr(user, "is_authenticated", False):
         return []
+    loaded = getattr(user, "loaded_team_names", None)  # read with the API token (apps.api.models)
+    if loaded is not None:
+        return list(loaded)
     return list(user.groups.values_list("name", flat=True))
 
 

@@ -13,10 +13,10 @@ from .conftest import client_for, make_job
 
 pytestmark = pytest.mark.django_db
 
-# token + user (one join), the user's teams, then the endpoint's own queries
-LIST_QUERIES = 4  # + COUNT(*), the page (owner joined, learners' tokens as a subquery)
-DETAIL_QUERIES = 5  # + the job with its counts, latest values, syncer shards
-METRICS_QUERIES = 4  # + the job, the downsampled series (learner index joined)
+# token + user + the user's teams (one statement: apps.api.models), then the endpoint's own queries
+LIST_QUERIES = 3  # + COUNT(*), the page (owner joined, learners' tokens as a subquery)
+DETAIL_QUERIES = 4  # + the job with its counts, latest values, syncer shards
+METRICS_QUERIES = 3  # + the job, the downsampled series (learner index joined)
 
 
 @pytest.fixture

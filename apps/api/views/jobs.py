@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from django.db.models import Count, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, F, OuterRef, Q, Subquery, Sum
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
@@ -32,7 +32,7 @@ ERRORS = {
 
 
 def visible_jobs(user):
-    """Jobs `user` may see, with the learners' live token count.
+    """Jobs `user` may see, with the learners' live token count and the owner's username.
 
     The count is a correlated subquery, not a join + GROUP BY: the list's COUNT(*) then needs no
     aggregation and `ORDER BY created_at DESC LIMIT n` can walk the (owner, created_at) index
@@ -40,7 +40,9 @@ def visible_jobs(user):
     """
     tokens = (Learner.objects.filter(job=OuterRef("pk")).order_by().values("job")
               .annotate(n=Sum("tokens")).values("n"))
-    qs = Job.objects.select_related("owner").annotate(learner_tokens=Subquery(tokens))
+    # the owner's name, not the whole user row (select_related): 50 User instances and their
+    # timestamps parsed were about 0.4 ms of the job list's CPU (issue 19)
+    qs = Job.objects.annotate(learner_tokens=Subquery(tokens), owner_username=F("owner__username"))
     return access.visible_jobs(user, qs)
 
 
