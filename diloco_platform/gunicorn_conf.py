@@ -2,16 +2,17 @@
 
 uvicorn workers serve the whole ASGI app, so HTTP and the /ws/ websockets share one port and
 one URL. Each request's sync code (middleware and view: diloco_platform/asgi_handler.py) runs
-on a thread of its own, but one worker's threads share its GIL, so throughput comes from
-processes: WEB_CONCURRENCY workers, default 2 per CPU core (measured in docs/api.md,
+on a thread of the event loop's pool, but one worker's threads share its GIL, so throughput
+comes from processes: WEB_CONCURRENCY workers, default 2 per CPU core (measured in docs/api.md,
 "Benchmark"). Without REDIS_URL the channel layer lives in memory and cannot
 fan out between processes (a dashboard on one worker would miss the events another received),
 so the embedded default runs exactly one worker.
 
-Keep CONN_MAX_AGE at 0 here: Django runs each ASGI request's sync code on a thread of its own,
-so a persistent connection is left behind per request thread (measured: 51 idle PostgreSQL
+Keep CONN_MAX_AGE at 0 here: a persistent connection stays with the thread that opened it, and
+Django's own ASGI handler ran each request on a new thread (measured then: 51 idle PostgreSQL
 backends after 60 requests with CONN_MAX_AGE=60, until the server ran out of connections).
-The workers use a connection pool instead (DB_POOL, on by default here: `web_db_pool`).
+The workers use a connection pool instead (DB_POOL, on by default here: `web_db_pool`): each
+request hands its connection back as it ends, whichever thread served it.
 """
 from __future__ import annotations
 
