@@ -45,7 +45,7 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
         params += [job.pk, learner]
     postgres = connection.vendor == "postgresql"
     # EXTRACT gives numeric, which psycopg would load as a Decimal per row: ask for a double
-    newest = "CAST(EXTRACT(EPOCH FROM MAX(s.time)) AS DOUBLE PRECISION)" if postgres else "MAX(s.time)"
+    newest = "CAST(EXTRACT(EPOCH FROM MAX(b.time)) AS DOUBLE PRECISION)" if postgres else "MAX(b.time)"
     sql = f"""
         WITH s AS (
             SELECT m.name AS name, m.learner_id AS lid, m.step AS step, m.value AS value, m.time AS time,
@@ -54,16 +54,18 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
             FROM {mp} m
             WHERE {" AND ".join(where)}
             WINDOW w AS (PARTITION BY m.name, m.learner_id)
+        ), b AS (
+            SELECT s.name, s.lid, s.step, s.value, s.time,
+                   CASE WHEN s.n <= %s THEN s.step
+                        ELSE CAST(FLOOR(CAST(s.step - s.lo AS DOUBLE PRECISION) * %s
+                                        / CAST(s.hi - s.lo + 1 AS DOUBLE PRECISION)) AS BIGINT) END AS b
+            FROM s
+            WHERE s.sr <= %s
         )
-        SELECT s.name, s.lid, l.{qn('index')},
-               CASE WHEN s.n <= %s THEN s.step
-                    ELSE CAST(FLOOR(CAST(s.step - s.lo AS DOUBLE PRECISION) * %s
-                                    / CAST(s.hi - s.lo + 1 AS DOUBLE PRECISION)) AS BIGINT) END AS b,
-               AVG(CAST(s.step AS DOUBLE PRECISION)), AVG(s.value), {newest}
-        FROM s LEFT JOIN {lt} l ON l.id = s.lid
-        WHERE s.sr <= %s
-        GROUP BY s.name, s.lid, l.{qn('index')}, b
-        ORDER BY s.name, s.lid, b
+        SELECT b.name, l.{qn('index')}, AVG(CAST(b.step AS DOUBLE PRECISION)), AVG(b.value), {newest}
+        FROM b LEFT JOIN {lt} l ON l.id = b.lid
+        GROUP BY b.name, b.lid, l.{qn('index')}, b.b
+        ORDER BY b.name, b.lid, b.b
     """  # noqa: S608  (table names from the models; every value is a parameter)
     params += [points, float(points), MAX_SERIES]
     with connection.cursor() as cur:
@@ -71,13 +73,16 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
         rows = cur.fetchall()
     out: list[dict] = []
     key = None
-    for name, lid, index, _b, step, value, t in rows:
-        if (name, lid) != key:
-            key = (name, lid)
-            out.append({"name": name, "learner": index, "points": []})
+    points: list = []
+    for name, index, step, value, t in rows:  # a series is (name, learner index): unique in a job
+        if (name, index) != key:
+            key = (name, index)
+            points = []
+            out.append({"name": name, "learner": index, "points": points})
         # a tuple of floats, not a list: the cyclic collector untracks it (issue 19: fewer tracked
-        # objects per response, shorter collections); JSON writes it as the same array
-        out[-1]["points"].append((float(step), float(value), float(t) if postgres else _as_unix(t)))
+        # objects per response, shorter collections); JSON writes it as the same array.
+        # PostgreSQL's columns are doubles already (AVG and the casts above).
+        points.append((step, value, t) if postgres else (float(step), float(value), _as_unix(t)))
     out.sort(key=lambda s: (s["name"], -1 if s["learner"] is None else s["learner"]))
     return out
 

@@ -75,12 +75,13 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
     lookup_value_regex = r"[0-9]+"
 
     # Actions that read only the job's id from get_object(): the access check alone, without the
-    # owner join and the learners' tokens subquery the job's own output needs.
+    # owner join, the learners' tokens subquery and the columns the job's own output needs.
     ROW_ONLY_ACTIONS = frozenset({"learners", "metrics", "events", "incidents", "checkpoints"})
 
     def get_queryset(self):
         if self.action in self.ROW_ONLY_ACTIONS:
-            return access.visible_jobs(self.request.user)
+            # the id alone: the row's other columns (the spec's JSON above all) are not read
+            return access.visible_jobs(self.request.user).only("pk")
         qs = visible_jobs(self.request.user)
         return with_learner_counts(qs) if self.action == "retrieve" else qs
 
