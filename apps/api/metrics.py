@@ -45,7 +45,7 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
         params += [job.pk, learner]
     postgres = connection.vendor == "postgresql"
     # EXTRACT gives numeric, which psycopg would load as a Decimal per row: ask for a double
-    newest = "CAST(EXTRACT(EPOCH FROM MAX(b.time)) AS DOUBLE PRECISION)" if postgres else "MAX(b.time)"
+    newest = "CAST(EXTRACT(EPOCH FROM MAX(k.time)) AS DOUBLE PRECISION)" if postgres else "MAX(k.time)"
     sql = f"""
         WITH s AS (
             SELECT m.name AS name, m.learner_id AS lid, m.step AS step, m.value AS value, m.time AS time,
@@ -54,7 +54,7 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
             FROM {mp} m
             WHERE {" AND ".join(where)}
             WINDOW w AS (PARTITION BY m.name, m.learner_id)
-        ), b AS (
+        ), k AS (
             SELECT s.name, s.lid, s.step, s.value, s.time,
                    CASE WHEN s.n <= %s THEN s.step
                         ELSE CAST(FLOOR(CAST(s.step - s.lo AS DOUBLE PRECISION) * %s
@@ -62,10 +62,10 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
             FROM s
             WHERE s.sr <= %s
         )
-        SELECT b.name, l.{qn('index')}, AVG(CAST(b.step AS DOUBLE PRECISION)), AVG(b.value), {newest}
-        FROM b LEFT JOIN {lt} l ON l.id = b.lid
-        GROUP BY b.name, b.lid, l.{qn('index')}, b.b
-        ORDER BY b.name, b.lid, b.b
+        SELECT k.name, l.{qn('index')}, AVG(CAST(k.step AS DOUBLE PRECISION)), AVG(k.value), {newest}
+        FROM k LEFT JOIN {lt} l ON l.id = k.lid
+        GROUP BY k.name, k.lid, l.{qn('index')}, k.b
+        ORDER BY k.name, k.lid, k.b
     """  # noqa: S608  (table names from the models; every value is a parameter)
     params += [points, float(points), MAX_SERIES]
     with connection.cursor() as cur:
