@@ -14,7 +14,7 @@ from .conftest import client_for, make_job
 pytestmark = pytest.mark.django_db
 
 # token + user + the user's teams (one statement: apps.api.models), then the endpoint's own queries
-LIST_QUERIES = 3  # + COUNT(*), the page (owner joined, learners' tokens as a subquery)
+LIST_QUERIES = 3  # + COUNT(*), the page (owner's username joined, learners' tokens as a subquery)
 DETAIL_QUERIES = 4  # + the job with its counts, latest values, syncer shards
 METRICS_QUERIES = 3  # + the job, the downsampled series (learner index joined)
 
