@@ -188,13 +188,14 @@ class JobDetailSerializer(JobSerializer):
         return latest_values(job)
 
     def get_learner_counts(self, job) -> dict[str, int]:
-        counts = {state: getattr(job, f"learners_{state}", None) for state in Learner.State.values}
-        if None in counts.values():  # not annotated by the view (views.jobs.with_learner_counts)
-            from django.db.models import Count
+        # one small GROUP BY over the job's learners: compiled and run, it costs less than seven
+        # filtered COUNTs in the job's own query (issue 19: 1.95 -> 1.47 ms of the web process's
+        # CPU per detail, PostgreSQL's no more)
+        from django.db.models import Count
 
-            rows = Learner.objects.filter(job=job).values("state").annotate(n=Count("id"))
-            return {r["state"]: r["n"] for r in rows}
-        return {state: n for state, n in counts.items() if n}
+        rows = dict(Learner.objects.filter(job_id=job.pk).order_by().values_list("state")
+                    .annotate(n=Count("id")))
+        return {state: rows[state] for state in Learner.State.values if rows.get(state)}
 
 
 class LearnerSerializer(serializers.ModelSerializer):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.django_db
 
 # token + user + the user's teams (one statement: apps.api.models), then the endpoint's own queries
 LIST_QUERIES = 3  # + COUNT(*), the page (owner's username joined, learners' tokens as a subquery)
-DETAIL_QUERIES = 4  # + the job with its counts, latest values, syncer shards
+DETAIL_QUERIES = 5  # + the job, its learners per state, latest values, syncer shards
 METRICS_QUERIES = 3  # + the job, the downsampled series (learner index joined)
 
 
@@ -73,7 +73,7 @@ def test_job_detail_queries_do_not_grow_with_learners_or_shards(alice, fleet_of_
     assert body["tokens_done"] == 400
 
 
-def test_learner_counts_by_state_in_the_jobs_own_query(alice, alice_job):
+def test_learner_counts_by_state(alice, alice_job):
     Learner.objects.filter(job=alice_job, index=1).update(state=Learner.State.LOST)
     body = client_for(alice).get(f"/api/v1/jobs/{alice_job.pk}/").json()
     assert body["learner_counts"] == {"running": 1, "lost": 1}

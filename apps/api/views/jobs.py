@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from django.db.models import Count, F, OuterRef, Q, Subquery, Sum
+from django.db.models import F, OuterRef, Q, Subquery, Sum
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
@@ -46,12 +46,6 @@ def visible_jobs(user):
     return access.visible_jobs(user, qs)
 
 
-def with_learner_counts(qs):
-    """Annotate `learners_<state>` counts (the detail's learner_counts) in the job's own query."""
-    return qs.annotate(**{f"learners_{state}": Count("learners", filter=Q(learners__state=state))
-                          for state in Learner.State.values})
-
-
 def _spec_error(exc: SpecError) -> SpecError:
     exc.path_prefix = "spec"
     return exc
@@ -82,8 +76,7 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
         if self.action in self.ROW_ONLY_ACTIONS:
             # the id alone: the row's other columns (the spec's JSON above all) are not read
             return access.visible_jobs(self.request.user).only("pk")
-        qs = visible_jobs(self.request.user)
-        return with_learner_counts(qs) if self.action == "retrieve" else qs
+        return visible_jobs(self.request.user)
 
     def get_serializer_class(self):
         if self.action == "retrieve":
