@@ -5,6 +5,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib import admin, messages
+from django.contrib.auth import get_permission_codename
 from django.db.models import Count, Q
 from django.utils import timezone
 from django.utils.html import format_html
@@ -115,19 +116,28 @@ class PoolAdmin(admin.ModelAdmin):
     def cost_per_hour_display(self, obj):
         return _fmt(obj.cost_per_hour, 2) if obj.pk else "-"
 
-    @admin.action(description="Drain selected pools (finish running work, take no new work)")
+    @admin.action(description="Drain selected pools (finish running work, take no new work)",
+                  permissions=("change",))
     def drain(self, request, queryset):
         _set_state(self, request, queryset, Pool.State.DRAINING, "draining")
 
-    @admin.action(description="Activate selected pools")
+    @admin.action(description="Activate selected pools", permissions=("change",))
     def activate(self, request, queryset):
         _set_state(self, request, queryset, Pool.State.ACTIVE, "activated")
 
-    @admin.action(description="Disable selected pools")
+    @admin.action(description="Disable selected pools", permissions=("change",))
     def disable(self, request, queryset):
         _set_state(self, request, queryset, Pool.State.DISABLED, "disabled")
 
-    @admin.action(description="Issue a worker token for each selected pool (shown once)")
+    def has_issue_token_permission(self, request):
+        """A worker token is a live credential: it needs the right to change the pool and to add
+        pool tokens (the `inventory.add_pooltoken` permission), not only to view the pool."""
+        token_opts = PoolToken._meta
+        return self.has_change_permission(request) and request.user.has_perm(
+            f"{token_opts.app_label}.{get_permission_codename('add', token_opts)}")
+
+    @admin.action(description="Issue a worker token for each selected pool (shown once)",
+                  permissions=("issue_token",))
     def issue_token(self, request, queryset):
         for pool in queryset:
             _, raw = PoolToken.issue(pool)
@@ -177,15 +187,15 @@ class NodeAdmin(admin.ModelAdmin):
     def seen_ago(self, obj):
         return f"{(timezone.now() - obj.last_seen).total_seconds():.0f} s ago"
 
-    @admin.action(description="Drain selected nodes")
+    @admin.action(description="Drain selected nodes", permissions=("change",))
     def drain(self, request, queryset):
         _set_state(self, request, queryset, Node.State.DRAINING, "draining")
 
-    @admin.action(description="Activate selected nodes (mark online)")
+    @admin.action(description="Activate selected nodes (mark online)", permissions=("change",))
     def activate(self, request, queryset):
         _set_state(self, request, queryset, Node.State.ONLINE, "online")
 
-    @admin.action(description="Disable selected nodes (mark offline)")
+    @admin.action(description="Disable selected nodes (mark offline)", permissions=("change",))
     def disable(self, request, queryset):
         _set_state(self, request, queryset, Node.State.OFFLINE, "offline")
 
@@ -205,7 +215,7 @@ class PoolTokenAdmin(admin.ModelAdmin):
     def active(self, obj):
         return obj.revoked_at is None
 
-    @admin.action(description="Revoke selected tokens")
+    @admin.action(description="Revoke selected tokens", permissions=("change",))
     def revoke(self, request, queryset):
         n = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
         self.message_user(request, f"{n} tokens revoked.", messages.SUCCESS)

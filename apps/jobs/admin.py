@@ -91,15 +91,15 @@ class JobAdmin(admin.ModelAdmin):
         for msg in refused:
             self.message_user(request, msg, messages.ERROR)
 
-    @admin.action(description="Cancel selected jobs")
+    @admin.action(description="Cancel selected jobs", permissions=("change",))
     def cancel(self, request, queryset):
         self._apply(request, queryset, services.cancel_job, "cancelled")
 
-    @admin.action(description="Pause selected jobs")
+    @admin.action(description="Pause selected jobs", permissions=("change",))
     def pause(self, request, queryset):
         self._apply(request, queryset, services.pause_job, "paused")
 
-    @admin.action(description="Resume selected jobs")
+    @admin.action(description="Resume selected jobs", permissions=("change",))
     def resume(self, request, queryset):
         self._apply(request, queryset, services.resume_job, "resumed")
 
