@@ -21,8 +21,9 @@ Adoption of a newer global fragment g (Streaming DiLoCo overlap):
     local_p <- g + mix_alpha * (local_p - ref_p)
 where ref_p is the local weights at the time the outstanding contribution was sent (the
 progress made meanwhile is kept, scaled by mix_alpha), or the previous base when nothing was
-outstanding (the unsent progress is kept, scaled). With lock-step learners (nothing happens
-between send and adopt) this is classic DiLoCo: local <- global. The inner AdamW state is kept.
+outstanding (the unsent progress is kept, scaled). With lock-step learners (no inner step
+between send and adopt) this is classic DiLoCo: local <- global, a copy of the global's bits (not
+the arithmetic above, which equals it only up to fp32 rounding). The inner AdamW state is kept.
 
 The contribution path stays off the training step's critical path: the local weights at send
 time go into a snapshot buffer per fragment, reused (no clone per send), and the delta into a
@@ -329,14 +330,19 @@ class Learner:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         alpha = self.config.mix_alpha
         sent = self._sent[p]
+        # lock-step learners (no inner step since the send, or since the last adoption when nothing
+        # is outstanding) take the global as it is, bit for bit: classic DiLoCo's replacement
+        unchanged = self._since[p][1] == (self._sent_counts[p][1] if sent is not None else 0)
         for n in names:
             new = g.tensors[n].to(self.device, dtype=torch.float32)
             if g.is_update:
                 new = self.base[p][n] + new  # base holds the published weights of base_version
             param = self.params[n]
-            if sent is None:
+            if unchanged:
+                param.copy_(new)
+            elif sent is None:
                 ref = self.base[p][n]
-                mixed = (param.detach().float() - ref).mul_(alpha).add_(new)
+                param.copy_((param.detach().float() - ref).mul_(alpha).add_(new))
             else:
                 # local_at_send + (g - (base - delta_sent)) + alpha * (local - local_at_send): equal to
                 # g + alpha * (local - local_at_send), written so that a global that only applied this
@@ -344,8 +350,7 @@ class Learner:
                 ref = sent[n]
                 base = self.base[p][n]
                 expected = base - (base - ref)
-                mixed = (new - expected).add_(ref).add_((param.detach().float() - ref).mul_(alpha))
-            param.copy_(mixed)
+                param.copy_((new - expected).add_(ref).add_((param.detach().float() - ref).mul_(alpha)))
             self.base[p][n] = new.clone()
         if self.config.inner_state == "reset":
             forget_state(self.optimizer, [self.params[n] for n in names])
