@@ -69,6 +69,19 @@ def flatten_errors(detail: Any, prefix: str = "") -> dict[str, list[str]]:
     return out
 
 
+MAX_ERROR_FIELDS = 50  # a 400 names at most this many fields, then counts the rest
+
+
+def _capped(errors: dict[str, list[str]]) -> dict[str, list[str]]:
+    """At most MAX_ERROR_FIELDS entries: a body of thousands of bad keys must not be echoed whole."""
+    if len(errors) <= MAX_ERROR_FIELDS:
+        return errors
+    out = dict(list(errors.items())[:MAX_ERROR_FIELDS])
+    more = f"... and {len(errors) - MAX_ERROR_FIELDS} more errors."
+    out["non_field_errors"] = [*out.get("non_field_errors", []), more]
+    return out
+
+
 def _summary(errors: dict[str, list[str]]) -> str:
     parts = [f"{k}: {'; '.join(v)}" for k, v in list(errors.items())[:5]]
     more = len(errors) - 5
@@ -84,8 +97,8 @@ def error_response(status_code: int, errors: dict[str, list[str]], detail: str |
 def api_exception_handler(exc: Exception, context: dict) -> Response | None:
     if isinstance(exc, SpecError):
         prefix = getattr(exc, "path_prefix", "")
-        errors = {(f"{prefix}.{k}" if prefix and k != "non_field_errors" else (prefix or k)): v
-                  for k, v in exc.errors.items()}
+        errors = _capped({(f"{prefix}.{k}" if prefix and k != "non_field_errors" else (prefix or k)): v
+                          for k, v in exc.errors.items()})
         return error_response(400, errors, "Invalid job spec: " + _summary(errors))
     if isinstance(exc, IllegalTransition):
         return error_response(409, {"status": [str(exc)]}, str(exc))
@@ -100,12 +113,12 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
     if response is None:
         return None  # a real bug: let Django log it and answer 500
     if isinstance(exc, exceptions.ValidationError):
-        errors = flatten_errors(exc.detail)
+        errors = _capped(flatten_errors(exc.detail))
         response.data = {"detail": _summary(errors), "errors": errors}
     else:
         detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
         if isinstance(detail, dict | list):
-            errors = flatten_errors(detail)
+            errors = _capped(flatten_errors(detail))
             response.data = {"detail": _summary(errors), "errors": errors}
         else:
             response.data = {"detail": str(detail), "errors": {"detail": [str(detail)]}}

@@ -54,10 +54,16 @@ def _reject_constant(name: str):
 
 
 class BoundedJSONParser(parsers.JSONParser):
-    """Strict JSON (no NaN/Infinity), at most DATA_UPLOAD_MAX_MEMORY_SIZE bytes, nesting <= 32."""
+    """Strict JSON (no NaN/Infinity), at most DATA_UPLOAD_MAX_MEMORY_SIZE bytes, nesting <= 32.
+
+    A view may set `max_body_bytes` lower (the token endpoints: a few hundred bytes is all
+    they take, so a large body is refused before it is decoded)."""
 
     def parse(self, stream, media_type=None, parser_context=None):
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 1024 * 1024
+        view_limit = getattr((parser_context or {}).get("view"), "max_body_bytes", None)
+        if view_limit:
+            limit = min(limit, view_limit)
         request = (parser_context or {}).get("request")
         length = request.META.get("CONTENT_LENGTH") if request is not None else None
         try:

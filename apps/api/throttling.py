@@ -61,8 +61,29 @@ class JobCreateThrottle(_LiveRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": ident}
 
 
+class TokenCreateThrottle(_LiveRateThrottle):
+    """New API tokens per signed-in user (POST /api/v1/auth/tokens/ and the dashboard's tokens
+    page). Rate: DEFAULT_THROTTLE_RATES["token_create"], else TOKEN_CREATE_RATE."""
+
+    scope = "token_create"
+
+    def get_rate(self):
+        return super().get_rate() or TOKEN_CREATE_RATE
+
+    def allow_request(self, request, view):
+        if request.method != "POST":
+            return True
+        return super().allow_request(request, view)
+
+    def get_cache_key(self, request, view):
+        ident = request.user.pk if request.user and request.user.is_authenticated else self.get_ident(request)
+        return self.cache_format % {"scope": self.scope, "ident": ident}
+
+
+TOKEN_CREATE_RATE = "30/minute"  # noqa: S105 (a rate, not a secret)
 AUTH_THROTTLES = (AuthRateThrottle, AuthUsernameThrottle)
 JOB_CREATE_THROTTLES = (JobCreateThrottle,)
+TOKEN_CREATE_THROTTLES = (TokenCreateThrottle,)
 
 
 def throttle_wait(request, throttles: Iterable[type[SimpleRateThrottle]]) -> int | None:

@@ -38,7 +38,7 @@ def parse_ids(values: Iterable[str]) -> list[int]:
             part = part.strip().lstrip("#")
             if not part:
                 continue
-            if not part.isdigit() or len(part) > 18:
+            if not (part.isascii() and part.isdigit()) or len(part) > 18:
                 raise CompareError("jobs", f"{part[:20]!r} is not a job id (comma-separated integers)")
             if int(part) not in ids:
                 ids.append(int(part))
@@ -54,7 +54,7 @@ def parse_baseline(raw: str | None, ids: list[int]) -> int:
     if raw is None or str(raw).strip() == "":
         return ids[0]
     raw = str(raw).strip().lstrip("#")
-    if not raw.isdigit() or len(raw) > 18:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
         raise CompareError("baseline", f"{raw[:20]!r} is not a job id")
     if int(raw) not in ids:
         raise CompareError("baseline", f"job {raw} is not one of the compared jobs {ids}")

@@ -3,7 +3,8 @@ and can be shared as a link.
 
 `status` (a job status or "active"), `owner` (a username), `team`, `pool` (a pool slug: jobs
 with a learner placed there) and `q` (free text over name, team and owner, or #id). A value
-that names nothing simply matches nothing; an unknown status is ignored, as before.
+that names nothing simply matches nothing; an unknown status is ignored, as before, and so is
+a value with a NUL character (PostgreSQL cannot compare text with one).
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ class JobFilters:
     @classmethod
     def from_query(cls, params: QueryDict) -> JobFilters:
         def get(name: str) -> str:
-            return params.get(name, "").strip()[:MAX_LEN]
+            value = params.get(name, "")
+            if "\x00" in value:  # PostgreSQL refuses NUL in text (a 500): a value with one is ignored
+                return ""
+            return value.strip()[:MAX_LEN]
 
         status = get("status")
         if status != "active" and status not in st.STATUSES:
@@ -53,8 +57,9 @@ class JobFilters:
         if self.q:
             q = self.q
             cond = Q(name__icontains=q) | Q(team__icontains=q) | Q(owner__username__icontains=q)
-            if self.q.lstrip("#").isdigit():
-                cond |= Q(pk=int(self.q.lstrip("#")))
+            digits = self.q.lstrip("#")
+            if digits.isascii() and digits.isdigit() and len(digits) <= 18:  # "²" is isdigit(), not int()
+                cond |= Q(pk=int(digits))
             jobs = jobs.filter(cond)
         return jobs
 

@@ -25,7 +25,7 @@ from django.views.decorators.http import require_POST
 
 from apps.api.authentication import TokenRefused, issue_token
 from apps.api.models import ApiToken
-from apps.api.throttling import AUTH_THROTTLES, JOB_CREATE_THROTTLES, throttle_wait
+from apps.api.throttling import AUTH_THROTTLES, JOB_CREATE_THROTTLES, TOKEN_CREATE_THROTTLES, throttle_wait
 from apps.coordinator.models import SyncerLease
 from apps.inventory.models import Node, Pool
 from apps.jobs import access, services
@@ -553,6 +553,8 @@ def tokens(request):
                 messages.success(request, f"Token “{tok.name}” revoked.")
                 return redirect("dashboard:tokens")
             messages.error(request, "That is not one of your tokens.")
+        elif action == "create" and (wait := throttle_wait(request, TOKEN_CREATE_THROTTLES)) is not None:
+            messages.error(request, f"Too many new tokens; try again in {wait} s.")  # the API's counter
         elif action == "create":
             form = TokenCreateForm(request.POST)
             if form.is_valid():

@@ -64,7 +64,7 @@ class GlobalFragmentView(AssignmentView):
         if fragment >= int((learner.job.spec or {}).get("fragments", 1)):
             raise NotFound(f"Job {learner.job_id} has no fragment {fragment}.")
         version = request.query_params.get("version")
-        if version is not None and not (version.isdigit() and len(version) <= 8):
+        if version is not None and not (version.isascii() and version.isdigit() and len(version) <= 8):
             raise ValidationError({"version": ["Must be a non-negative integer."]})
         prefix = keys.global_key(learner.job_id, fragment, 0).rsplit("/", 1)[0] + "/"
 

@@ -17,7 +17,11 @@ from .. import serializers as s
 from ..authentication import ApiTokenAuthentication, TokenRefused, issue_token
 from ..models import ApiToken
 from ..permissions import IsPerson
-from ..throttling import AUTH_THROTTLES
+from ..throttling import AUTH_THROTTLES, TOKEN_CREATE_THROTTLES
+
+# The token endpoints take a username, a password, a name and a number: a larger body is refused
+# before it is decoded (apps/api/parsers.py), whatever it holds.
+TOKEN_BODY_MAX_BYTES = 4096
 
 
 def _issue(user, data, minted_by: ApiToken | None = None) -> Response:
@@ -38,6 +42,7 @@ class ObtainTokenView(APIView):
     authentication_classes = [ApiTokenAuthentication]
     permission_classes = [AllowAny]
     throttle_classes = list(AUTH_THROTTLES)
+    max_body_bytes = TOKEN_BODY_MAX_BYTES
 
     @extend_schema(request=s.TokenCreateSerializer,
                    responses={201: s.ApiTokenCreatedSerializer, 400: OpenApiTypes.OBJECT,
@@ -61,6 +66,8 @@ class ApiTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.D
 
     serializer_class = s.ApiTokenSerializer
     permission_classes = [IsPerson]
+    throttle_classes = list(TOKEN_CREATE_THROTTLES)  # counts POSTs only
+    max_body_bytes = TOKEN_BODY_MAX_BYTES
     pagination_class = None
     lookup_value_regex = r"[0-9]+"
 

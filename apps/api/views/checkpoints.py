@@ -87,7 +87,8 @@ class CheckpointViewSet(SafeQueryMixin, viewsets.ReadOnlyModelViewSet):
         qs = qs.filter(access.job_access_q(self.request.user, "job__"))
         job = self.request.query_params.get("job")
         if self.action == "list" and job:
-            qs = qs.filter(job_id=int(job)) if job.isdigit() and len(job) <= 18 else qs.none()
+            ok = job.isascii() and job.isdigit() and len(job) <= 18  # "²": isdigit() true, int() raises
+            qs = qs.filter(job_id=int(job)) if ok else qs.none()
         return qs.order_by("job_id", "-version")
 
     @extend_schema(parameters=[OpenApiParameter("job", int)])

@@ -109,7 +109,7 @@ class JobViewSet(SafeQueryMixin, mixins.CreateModelMixin, mixins.ListModelMixin,
         if q.get("search"):
             term = q["search"].strip()
             cond = Q(name__icontains=term)
-            if term.isdigit() and len(term) <= 18:
+            if term.isascii() and term.isdigit() and len(term) <= 18:
                 cond |= Q(pk=int(term))
             queryset = queryset.filter(cond)
         if q.get("owner"):
