@@ -5,10 +5,12 @@ along `step` (tokens); each bucket is averaged in SQL (AVG of step and value, MA
 so the response size is bounded by points x series however many rows the job has. A series
 with no more rows than `points` comes back as it is (rows at the same step are averaged).
 One query for all series: window functions give each series its step range and size; the
-bucket arithmetic is in floating point (numeric is several times slower in PostgreSQL), the
-learner's index comes from a join and, on PostgreSQL, the time as Unix seconds from the
-database, so Python only reshapes rows (profiled for issue 19: parsing 1,200 timestamps per
-request cost more than the query).
+bucket arithmetic is in floating point (numeric is several times slower in PostgreSQL, and no
+stored step, however large, overflows it), the learner's index comes from a join and, on
+PostgreSQL, the time as Unix seconds from the database, so Python only reshapes rows
+(profiled for issue 19: parsing 1,200 timestamps per request cost more than the query).
+Job-level series (val_loss, goodput...) are read from the coordinator's rows (learner null)
+only: a learner-level row with such a name is nobody's figure.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from datetime import UTC, datetime
 from django.db import connection
 
 from apps.jobs.models import Job, Learner, MetricPoint
+from apps.telemetry.protocol import JOB_SERIES
 
 MAX_SERIES = 200
 qn = connection.ops.quote_name
@@ -33,7 +36,10 @@ def _as_unix(t) -> float:
 def series(job: Job, names: list[str] | None = None, points: int = 500, learner="all") -> list[dict]:
     """[{name, learner, points: [[step, value, unix_time], ...]}], at most `points` per series."""
     mp, lt = MetricPoint._meta.db_table, Learner._meta.db_table
-    where, params = ["m.job_id = %s"], [job.pk]
+    # job-level series (val_loss, goodput...) are the coordinator's rows (learner null) only
+    where = ["m.job_id = %s", "(m.learner_id IS NULL OR m.name NOT IN ("
+             + ", ".join(["%s"] * len(JOB_SERIES)) + "))"]
+    params: list = [job.pk, *sorted(JOB_SERIES)]
     if names:
         where.append("m.name IN (" + ", ".join(["%s"] * len(names)) + ")")
         params += list(names)
@@ -49,7 +55,8 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
     sql = f"""
         WITH s AS (
             SELECT m.name AS name, m.learner_id AS lid, m.step AS step, m.value AS value, m.time AS time,
-                   MIN(m.step) OVER w AS lo, MAX(m.step) OVER w AS hi, COUNT(*) OVER w AS n,
+                   CAST(MIN(m.step) OVER w AS DOUBLE PRECISION) AS lo,
+                   CAST(MAX(m.step) OVER w AS DOUBLE PRECISION) AS hi, COUNT(*) OVER w AS n,
                    DENSE_RANK() OVER (ORDER BY m.name, m.learner_id) AS sr
             FROM {mp} m
             WHERE {" AND ".join(where)}
@@ -57,8 +64,8 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
         ), k AS (
             SELECT s.name, s.lid, s.step, s.value, s.time,
                    CASE WHEN s.n <= %s THEN s.step
-                        ELSE CAST(FLOOR(CAST(s.step - s.lo AS DOUBLE PRECISION) * %s
-                                        / CAST(s.hi - s.lo + 1 AS DOUBLE PRECISION)) AS BIGINT) END AS b
+                        ELSE CAST(FLOOR((CAST(s.step AS DOUBLE PRECISION) - s.lo) * %s / (s.hi - s.lo + 1))
+                                  AS BIGINT) END AS b
             FROM s
             WHERE s.sr <= %s
         )
@@ -103,7 +110,7 @@ def latest_values(job: Job) -> dict[str, float]:
     job_level: dict[str, float] = {}
     per_learner: dict[str, list[float]] = {}
     for name, lid, value in rows:
-        if value is None:
+        if value is None or (lid is not None and name in JOB_SERIES):
             continue
         if lid is None:
             job_level[name] = value

@@ -17,6 +17,7 @@ from apps.inventory.models import Node, Pool, estimated_watts, visible_nodes_q
 from apps.jobs import access
 from apps.jobs import state as st
 from apps.jobs.models import Job, Learner, MetricPoint
+from apps.telemetry.protocol import JOB_SERIES
 
 # Series whose per-learner points add up to a job figure (the others are averaged).
 SUMMED = frozenset({"tokens_per_s", "bytes_sent"})
@@ -51,16 +52,18 @@ def _ends_sql(job_ids: list[int], names: list[str], recent: int | None) -> tuple
     qn = connection.ops.quote_name
     t, tm = qn(MetricPoint._meta.db_table), qn("time")
     # identifiers only; every value is a %s placeholder
-    probe = "(SELECT {col} FROM " + t + " WHERE job_id = %s AND name = %s ORDER BY " + tm  # noqa: S608
+    probe = "(SELECT {col} FROM " + t + " WHERE job_id = %s AND name = %s{only} ORDER BY " + tm  # noqa: S608
     probe += " {order} LIMIT 1{off})"
     parts, params = [], []
     for j in job_ids:
         for n in names:
-            first = probe.format(col="step", order="ASC", off="")
-            last = probe.format(col="step", order="DESC", off="")
+            # a job-level series is the coordinator's rows only (learner null), see _job_level_sql
+            only = " AND learner_id IS NULL" if n in JOB_SERIES else ""
+            first = probe.format(col="step", order="ASC", off="", only=only)
+            last = probe.format(col="step", order="DESC", off="", only=only)
             if recent:
-                win = probe.format(col="step", order="DESC", off=f" OFFSET {int(recent) - 1}")
-                cut = probe.format(col=tm, order="DESC", off=f" OFFSET {int(recent) - 1}")
+                win = probe.format(col="step", order="DESC", off=f" OFFSET {int(recent) - 1}", only=only)
+                cut = probe.format(col=tm, order="DESC", off=f" OFFSET {int(recent) - 1}", only=only)
                 parts.append(f"SELECT %s, %s, {first}, {last}, {win}, {cut}")
                 params += [j, n, j, n, j, n, j, n, j, n]
             else:
@@ -117,24 +120,35 @@ def downsample(job_ids: Iterable[int], names: Iterable[str], buckets: int = 200,
                 cur.execute("SET LOCAL work_mem TO DEFAULT")
             return out
         case_sql, params = [], []
+        # In floating point: a step is a bigint, and (step - lo) * (buckets - 1) of a stored
+        # step near 2^63 would overflow it (a 500 on every page showing the job). Exact for
+        # any step below 2^53 (the bound at intake), so the buckets are the integer ones.
+        floor = "FLOOR" if connection.vendor == "postgresql" else "CAST"
+        as_int = "" if floor == "FLOOR" else " AS INTEGER"
         for jid, (lo, hi) in ranges.items():
-            case_sql.append("WHEN %s THEN (step - %s) * %s / %s")
-            params += [jid, lo, buckets - 1, max(hi - lo, 1)]
+            case_sql.append(f"WHEN %s THEN {floor}((CAST(step AS DOUBLE PRECISION) - %s) * %s / %s{as_int})")
+            params += [jid, float(lo), float(buckets - 1), float(max(hi - lo, 1))]
         if recent:
             # one index range per series: only its newest `recent` points are read
             conds = []
             for jid, name, cutoff in windows:
+                only = " AND learner_id IS NULL" if name in JOB_SERIES else ""
                 if cutoff is None:
-                    conds.append("(job_id = %s AND name = %s)")
+                    conds.append(f"(job_id = %s AND name = %s{only})")
                     params += [jid, name]
                 else:
-                    conds.append(f"(job_id = %s AND name = %s AND {tm} >= %s)")
+                    conds.append(f"(job_id = %s AND name = %s{only} AND {tm} >= %s)")
                     params += [jid, name, cutoff]
             where = "(" + " OR ".join(conds) + ")"
         else:
             where = "job_id IN ({}) AND name IN ({})".format(", ".join(["%s"] * len(ranges)),
                                                             ", ".join(["%s"] * len(names)))
             params += list(ranges) + names
+            job_level = sorted(JOB_SERIES & set(names))
+            if job_level:  # learners' points under a job-level name are not the job's figure
+                marks = ", ".join(["%s"] * len(job_level))
+                where += f" AND (learner_id IS NULL OR name NOT IN ({marks}))"
+                params += job_level
         epoch = ("EXTRACT(EPOCH FROM MAX({t}))" if connection.vendor == "postgresql"
                  else "CAST(strftime('%%s', MAX({t})) AS REAL)").format(t=tm)
         # Only %s placeholders and quoted identifiers are formatted into the text.

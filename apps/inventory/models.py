@@ -92,6 +92,23 @@ class Pool(models.Model):
         return float(self.cost_per_device_hour) * self.device_count
 
 
+class PoolTokenQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        """A revocation (`revoked_at` set, e.g. the admin action) also closes the tokens' open
+        agent sockets at once, after the commit (apps.telemetry.publish)."""
+        revoking = kwargs.get("revoked_at") is not None
+        hashes = (list(self.filter(revoked_at__isnull=True).values_list("key_hash", flat=True))
+                  if revoking else [])
+        n = super().update(**kwargs)
+        if hashes:
+            from django.db import transaction
+
+            from apps.telemetry.publish import close_token_sockets
+
+            transaction.on_commit(lambda: close_token_sockets(hashes), robust=True)
+        return n
+
+
 class PoolToken(models.Model):
     """A worker credential scoped to one pool; only its hash is stored."""
 
@@ -100,6 +117,8 @@ class PoolToken(models.Model):
     key_hash = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = PoolTokenQuerySet.as_manager()
 
     def __str__(self) -> str:
         return f"{self.pool.slug}:{self.prefix}…"

@@ -24,7 +24,8 @@ from django.utils import timezone
 
 from . import publish
 from .auth import is_coordinator_token
-from .protocol import ProtocolError, parse_frame
+from .guards import access_allowed, events_gate, token_registry
+from .protocol import JOB_SERIES, POOL_EVENT_KINDS, ProtocolError, clean_text, parse_frame
 from .scope import LearnerPlace, cache
 from .writer import event as event_row
 from .writer import get_writer
@@ -36,11 +37,14 @@ CLOSE_MALFORMED = 4400
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
+CLOSE_TOO_MANY = 4429
 
 ACK_DELAY_S = 0.05
 ABUSE_WINDOW_S = 60.0
 NODE_RETRY_S = 5.0
 REAUTH_S = 30.0
+# How stale a dashboard socket's access decision may be when it forwards a message.
+ACCESS_RECHECK_S = 2.0
 
 # Process-wide counters (benchmarks, health pages, tests).
 STATS: dict[str, int] = defaultdict(int)
@@ -147,6 +151,15 @@ class AgentConsumer(BaseSocket):
                 return
             self.role, self.pool_id, self.pool_slug = "pool", pool.pk, pool.slug
             self.token, self.auth_checked = token, time.monotonic()
+            # Per-token limits (sockets, bytes/s) and the close on revocation (guards.py).
+            self.token_hash = PoolToken.hash(token)
+            self.token_state = token_registry().join(self, self.token_hash)
+            if self.token_state is None:
+                STATS["socket_cap_closes"] += 1
+                self.role = None
+                await self.fail(CLOSE_TOO_MANY, "too many open sockets for this token", "too_many_sockets")
+                return
+            await self.channel_layer.group_add(publish.token_group(self.token_hash), self.channel_name)
         STATS["connections"] += 1
         await self.send_json({
             "type": "hello", "role": self.role, "pool": self.pool_slug,
@@ -155,9 +168,14 @@ class AgentConsumer(BaseSocket):
         })
 
     async def disconnect(self, code) -> None:
-        if self.ack_task is not None:
+        if getattr(self, "ack_task", None) is not None:
             self.ack_task.cancel()
         layer = self.channel_layer
+        if getattr(self, "token_state", None) is not None:
+            token_registry().leave(self)
+            self.token_state = None
+            with contextlib.suppress(Exception):
+                await layer.group_discard(publish.token_group(self.token_hash), self.channel_name)
         for job_id, index in getattr(self, "subscriptions", ()):
             with contextlib.suppress(Exception):
                 await layer.group_discard(publish.agent_group(job_id, index), self.channel_name)
@@ -186,6 +204,8 @@ class AgentConsumer(BaseSocket):
             await self.fail(CLOSE_MALFORMED, exc.reason, "malformed")
             return
         await self._throttle(len(msg["points"]) if msg["type"] == "metrics" else 1)
+        if self.role == "pool":
+            await self._throttle_bytes(len(text_data) if text_data.isascii() else len(text_data.encode()))
         try:
             await getattr(self, "on_" + msg["type"])(msg)
         except Refused as r:
@@ -216,6 +236,16 @@ class AgentConsumer(BaseSocket):
             STATS["throttled"] += 1
             await asyncio.sleep(-self.bucket / self.rate)
 
+    async def _throttle_bytes(self, size: int) -> None:
+        """Bytes per second over every socket of this pool token (in this process)."""
+        state = self.token_state
+        if state is None:
+            return
+        wait = state.take_bytes(size)
+        if wait > 0:
+            STATS["throttled_bytes"] += 1
+            await asyncio.sleep(wait)
+
     async def _refused(self, msg: dict, r: Refused) -> bool:
         """Reply with the reason; True when the connection was closed for repeated abuse."""
         STATS["refused"] += 1
@@ -240,7 +270,7 @@ class AgentConsumer(BaseSocket):
         return True
 
     def _who(self) -> str:
-        return f"{self.role}:{self.pool_slug or '-'}:{self.worker or '?'}"
+        return clean_text(f"{self.role}:{self.pool_slug or '-'}:{self.worker or '?'}")
 
     def _schedule_ack(self) -> None:
         if self.ack_task is None or self.ack_task.done():
@@ -354,6 +384,10 @@ class AgentConsumer(BaseSocket):
             # learner of a job must not draw into the job's own charts. The whole message is
             # refused, so nothing of it is half-written.
             raise Refused("only the coordinator may write job-level metrics (learner null)")
+        if self.role != "coordinator":
+            names = sorted({p["name"] for p in msg["points"]} & JOB_SERIES)
+            if names:  # not even per learner: the job's figures would read them
+                raise Refused(f"{', '.join(names)}: job-level series, the coordinator's only")
         js = await self._job(msg["job"])
         now = timezone.now()
         rows = []
@@ -372,17 +406,35 @@ class AgentConsumer(BaseSocket):
             writer.touch_node(node, now)
 
     async def on_event(self, msg: dict) -> None:
-        await self._job(msg["job"])
+        if self.role == "pool":
+            msg = await self._pool_event(msg)
+        else:
+            await self._job(msg["job"])
         pool_id = self.pool_id
-        if msg["pool"] is not None:
-            if self.role == "pool":
-                if msg["pool"] != self.pool_slug:
-                    raise Refused(f"this token belongs to pool {self.pool_slug}, not {msg['pool']}")
-            else:
-                pool_id = await _pool_id(msg["pool"])
-                if pool_id is None:
-                    raise Refused(f"no pool {msg['pool']}", abuse=False)
+        if msg["pool"] is not None and self.role != "pool":
+            pool_id = await _pool_id(msg["pool"])
+            if pool_id is None:
+                raise Refused(f"no pool {msg['pool']}", abuse=False)
         get_writer().add_event(event_row(msg["job"], pool_id, msg, timezone.now()))
+
+    async def _pool_event(self, msg: dict) -> dict:
+        """What a pool may put on a job's timeline: a note (`info`), at the server's time,
+        marked as the pool's, for a learner it runs, at most so many per job and minute."""
+        if msg["kind"] not in POOL_EVENT_KINDS:
+            raise Refused(f"event kind {msg['kind']!r} is the coordinator's; pools may send "
+                          f"{', '.join(sorted(POOL_EVENT_KINDS))}")
+        if msg["pool"] is not None and msg["pool"] != self.pool_slug:
+            raise Refused(f"this token belongs to pool {self.pool_slug}, not {msg['pool']}")
+        await self._job(msg["job"])
+        if msg["learner"] is not None:
+            await self._learner(msg["job"], msg["learner"])
+        if not events_gate().allow(msg["job"]):
+            STATS["events_capped"] += 1
+            raise Refused(f"too many events for job {msg['job']} (at most {events_gate().limit} a minute "
+                          "from pools)", code="rate_limited")
+        text = f"pool {self.pool_slug}: {msg['message']}" if msg["message"] else f"pool {self.pool_slug}"
+        # the client's clock is not trusted: the row gets the receive time (event_row's fallback)
+        return {**msg, "time": None, "message": text[:300]}
 
     async def on_publish(self, msg: dict) -> None:
         if self.role != "coordinator":
@@ -399,6 +451,12 @@ class AgentConsumer(BaseSocket):
             STATS["control_delivered"] += 1
             await self.send(text_data=dumps(event["message"]))
 
+    async def agent_revoked(self, event: dict) -> None:
+        """The token was revoked (group `agent.token.<hash>`, or the periodic check)."""
+        if self.role == "pool" and not self.closing:
+            STATS["auth_failures"] += 1
+            await self.fail(CLOSE_UNAUTHORIZED, "token revoked", "unauthorized")
+
 
 async def _pool_id(slug: str) -> int | None:
     from apps.inventory.models import Pool
@@ -410,7 +468,67 @@ async def _pool_id(slug: str) -> int | None:
 
 # -- dashboards -------------------------------------------------------------------------------
 
-class JobConsumer(BaseSocket):
+class DashboardSocket(BaseSocket):
+    """A browser socket: its access is checked again while it lives, not only at connect.
+
+    Before forwarding a message, at most every `ACCESS_RECHECK_S`, the socket re-reads its
+    session (logged out, expired, password changed), its user (deactivated) and, for a job,
+    whether the user may still see it (left the team, job moved to another team). Signals
+    (logout, a change of the user's groups; apps.telemetry.apps) also ask the user's sockets
+    to check at once through the group `user.<id>`.
+    """
+
+    job_id: int | None = None
+    user_pk: int | None = None
+    access_checked = 0.0
+
+    async def watch_access(self, user) -> None:
+        session = self.scope.get("session")
+        self.session_key = getattr(session, "session_key", None)
+        self.user_pk = user.pk
+        self.access_checked = time.monotonic()
+        self.user_group = publish.user_group(user.pk)
+        await self.channel_layer.group_add(self.user_group, self.channel_name)
+
+    async def disconnect(self, code) -> None:
+        if getattr(self, "user_group", None):
+            with contextlib.suppress(Exception):
+                await self.channel_layer.group_discard(self.user_group, self.channel_name)
+
+    async def check_access(self, force: bool = False) -> bool:
+        if self.closing:
+            return False
+        if self.user_pk is None:
+            return True
+        now = time.monotonic()
+        if not force and now - self.access_checked < ACCESS_RECHECK_S:
+            return True
+        self.access_checked = now
+        ok = await database_sync_to_async(access_allowed)(self.session_key, self.user_pk, self.job_id)
+        if not ok and not self.closing:
+            STATS["dashboard_access_closes"] += 1
+            await self.fail(CLOSE_FORBIDDEN, "access ended", "forbidden")
+        return ok
+
+    async def telemetry_forward(self, event: dict) -> None:
+        if await self.check_access():
+            await self.send(text_data=dumps(event["message"]))
+
+    async def access_check(self, event: dict) -> None:
+        """From the group `user.<id>`: the user logged out, or their groups changed."""
+        ended = event.get("logout")
+        if ended and ended == getattr(self, "session_key", None) and not self.closing:
+            STATS["dashboard_access_closes"] += 1
+            await self.fail(CLOSE_FORBIDDEN, "signed out", "unauthorized")
+            return
+        await self.check_access(force=True)
+
+    async def receive(self, text_data=None, bytes_data=None) -> None:
+        if text_data and len(text_data) < 200 and '"ping"' in text_data and await self.check_access():
+            await self.send_json({"type": "pong", "time": time.time()})
+
+
+class JobConsumer(DashboardSocket):
     """`/ws/jobs/<id>/`: live updates of one job for its owner, its team and staff."""
 
     async def connect(self) -> None:
@@ -429,18 +547,16 @@ class JobConsumer(BaseSocket):
             else:
                 await self.fail(CLOSE_FORBIDDEN, f"job {self.job_id} is not yours", "forbidden")
             return
+        await self.watch_access(user)
         self.group = publish.job_group(self.job_id)
         await self.channel_layer.group_add(self.group, self.channel_name)
         for msg in snapshot:
             await self.send_json(msg)
 
     async def disconnect(self, code) -> None:
+        await super().disconnect(code)
         if getattr(self, "group", None):
             await self.channel_layer.group_discard(self.group, self.channel_name)
-
-    async def receive(self, text_data=None, bytes_data=None) -> None:
-        if text_data and len(text_data) < 200 and '"ping"' in text_data:
-            await self.send_json({"type": "pong", "time": time.time()})
 
 
 def _job_snapshot(job_id: int, user) -> list[dict] | None:
@@ -457,7 +573,7 @@ def _job_snapshot(job_id: int, user) -> list[dict] | None:
     return msgs
 
 
-class FleetConsumer(BaseSocket):
+class FleetConsumer(DashboardSocket):
     """`/ws/fleet/`: pool and node updates for any signed-in user."""
 
     group = publish.FLEET_GROUP
@@ -468,13 +584,11 @@ class FleetConsumer(BaseSocket):
         if user is None or not user.is_authenticated:
             await self.fail(CLOSE_FORBIDDEN, "sign in to watch the fleet", "unauthorized")
             return
+        await self.watch_access(user)
         self.joined = True
         await self.channel_layer.group_add(self.group, self.channel_name)
 
     async def disconnect(self, code) -> None:
+        await super().disconnect(code)
         if getattr(self, "joined", False):
             await self.channel_layer.group_discard(self.group, self.channel_name)
-
-    async def receive(self, text_data=None, bytes_data=None) -> None:
-        if text_data and len(text_data) < 200 and '"ping"' in text_data:
-            await self.send_json({"type": "pong", "time": time.time()})

@@ -10,13 +10,19 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from typing import Any
 
 MAX_INT64 = 2**63 - 1
 MAX_INT32 = 2**31 - 1
+# Token counts (a heartbeat's `tokens`, a metric point's `step`): exact in a double, and a sum
+# over millions of learners still fits PostgreSQL's bigint.
+MAX_COUNT = 2**53 - 1
 MAX_POINTS = 2000
 MAX_MESSAGE_CHARS = 300
 MAX_NAME_CHARS = 255
+# An event's payload, as compact JSON: enough for a reason and a few figures, not a store.
+MAX_PAYLOAD_BYTES = 2048
 # Unix seconds between 2001 and 2286: catches milliseconds and garbage.
 MIN_TIME, MAX_TIME = 1e9, 1e10
 
@@ -29,13 +35,56 @@ EVENT_KINDS = frozenset(
     {"status", "placed", "failed", "reassigned", "rebalanced", "joined", "left", "checkpointed",
      "merged", "rejected", "drained", "info"}
 )
+# What a pool token may report: the others (status, placement, moves, checkpoints, merges...)
+# are the coordinator's decisions, and the dashboards draw them as such (job status, move
+# markers). Pool workers send no events today; `info` is a note on the job's timeline.
+POOL_EVENT_KINDS = frozenset({"info"})
+# Metric series that describe the whole job, written by the coordinator only (learner null):
+# a learner-level point with one of these names is refused from pools and ignored by the
+# dashboards' figures.
+JOB_SERIES = frozenset({"val_loss", "goodput", "bytes_sent", "outer_step_norm"})
 CONTROL_ACTIONS = frozenset({"resize", "stop", "migrate", "pause"})
+
+
+# Bidirectional overrides and isolates: they reorder what a terminal or a page shows.
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f")
+
+
+def _is_control(ch: str) -> bool:
+    return unicodedata.category(ch) == "Cc" or ch in _BIDI
+
+
+def clean_text(text: str) -> str:
+    """`text` without control characters (C0, DEL, C1: newlines, terminal escapes...) nor
+    bidirectional overrides: a line break or a tab becomes a space, the rest is dropped, so
+    text from an agent can neither forge log lines nor drive a terminal."""
+    if text.isprintable():  # the common case: nothing to do (no Cc, no Cf, no separators)
+        return text
+    out = []
+    for ch in text:
+        if ch in "\t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029":
+            out.append(" ")
+        elif not _is_control(ch):
+            out.append(ch)
+    return "".join(out)
+
+
+def clean_json(obj: Any) -> Any:
+    """`clean_text` on every string (keys too) of a decoded JSON value."""
+    if isinstance(obj, str):
+        return clean_text(obj)
+    if isinstance(obj, dict):
+        return {clean_text(k): clean_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clean_json(v) for v in obj]
+    return obj
 
 
 class ProtocolError(ValueError):
     """A malformed frame; `reason` is short enough for a websocket close frame (<= 123 bytes)."""
 
     def __init__(self, reason: str):
+        reason = clean_text(reason)  # it is logged, and it may quote the agent's own text
         if len(reason.encode()) > 120:
             reason = reason.encode()[:117].decode(errors="ignore") + "..."
         super().__init__(reason)
@@ -113,6 +162,8 @@ def _str(msg: dict, key: str, *, max_len: int, where: str, pattern: re.Pattern |
         raise ProtocolError(f"{where}.{key} longer than {max_len} characters")
     if "\x00" in v:
         raise ProtocolError(f"{where}.{key} contains a NUL character")
+    if not v.isprintable() and any(_is_control(ch) for ch in v):
+        raise ProtocolError(f"{where}.{key} contains control characters")
     if pattern is not None and not pattern.match(v):
         raise ProtocolError(f"{where}.{key} has an invalid format")
     return v
@@ -162,7 +213,7 @@ def _heartbeat(msg: dict) -> dict:
         "learner": _int(msg, "learner", hi=MAX_INT32, where=w),
         "incarnation": _int(msg, "incarnation", hi=MAX_INT32, where=w),
         "step": _int(msg, "step", hi=MAX_INT32, where=w),
-        "tokens": _int(msg, "tokens", where=w),
+        "tokens": _int(msg, "tokens", hi=MAX_COUNT, where=w),
         "loss": _opt(msg, "loss", _float, where=w),
         "tokens_per_s": _opt(msg, "tokens_per_s", _float, lo=0, hi=1e15, where=w),
         "util": _opt(msg, "util", _float, lo=0, hi=100, where=w),
@@ -181,7 +232,8 @@ def _point(p: Any, i: int) -> dict:
         # learner null is a job-level point (coordinator token only; checked by the consumer)
         "learner": _opt(p, "learner", _int, hi=MAX_INT32, where=w),
         "name": _str(p, "name", max_len=40, where=w, pattern=NAME_RE),
-        "step": _opt(p, "step", _int, where=w) or 0,
+        # tokens (a learner's own, or the job's for job-level points)
+        "step": _opt(p, "step", _int, hi=MAX_COUNT, where=w) or 0,
         "value": _float(p, "value", where=w),
         "time": _time(p, w),
     }
@@ -213,13 +265,21 @@ def _event(msg: dict) -> dict:
         payload = {}
     elif not isinstance(payload, dict):
         raise ProtocolError("event.payload must be an object")
+    elif len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"event.payload larger than {MAX_PAYLOAD_BYTES} bytes (as JSON)")
+    message = msg.get("message")
+    if message is not None and not isinstance(message, str):
+        raise ProtocolError(f"event.message must be a string, got {type(message).__name__}")
+    if message is not None and len(message) > MAX_MESSAGE_CHARS:
+        raise ProtocolError(f"event.message longer than {MAX_MESSAGE_CHARS} characters")
     return {
         "type": "event",
         # job may be null for fleet-level events (coordinator token only; checked by the consumer)
         "job": _opt(msg, "job", _int, lo=1, where=w),
         "kind": kind,
-        "message": _opt(msg, "message", _str, max_len=MAX_MESSAGE_CHARS, where=w) or "",
-        "payload": payload,
+        # free text shown on timelines, in logs and in terminals: control characters removed
+        "message": clean_text(message or ""),
+        "payload": clean_json(payload),
         "learner": _opt(msg, "learner", _int, hi=MAX_INT32, where=w),
         "pool": _opt(msg, "pool", _str, max_len=40, where=w, pattern=SLUG_RE),
         "time": _time(msg, w),

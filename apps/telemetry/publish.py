@@ -32,6 +32,16 @@ def agent_group(job_id: int, learner_index: int) -> str:
     return f"agent.job.{int(job_id)}.learner.{int(learner_index)}"
 
 
+def token_group(key_hash: str) -> str:
+    """Every agent socket opened with one pool token (`PoolToken.key_hash`, hex sha256)."""
+    return f"agent.token.{key_hash[:64]}"
+
+
+def user_group(user_pk: int) -> str:
+    """Every dashboard socket of one user."""
+    return f"user.{int(user_pk)}"
+
+
 def unix(dt: datetime | None) -> float | None:
     return dt.timestamp() if dt is not None else None
 
@@ -107,6 +117,35 @@ def publish_job(job_id: int, msg: dict) -> bool:
 def publish_fleet(msg: dict) -> bool:
     """Send `msg` to every browser on the fleet page."""
     return _run(apublish_fleet(msg))
+
+
+async def aclose_token_sockets(key_hashes) -> bool:
+    ok = True
+    for h in key_hashes:
+        ok = await agroup_send(token_group(h), {"type": "agent.revoked"}) and ok
+    return ok
+
+
+async def acheck_user_access(user_pks) -> bool:
+    ok = True
+    for pk in user_pks:
+        ok = await agroup_send(user_group(pk), {"type": "access.check"}) and ok
+    return ok
+
+
+def close_token_sockets(key_hashes) -> bool:
+    """Close the agent sockets of revoked pool tokens (by `PoolToken.key_hash`), at once.
+    Call it after the revocation is committed (sockets also find out by themselves within
+    `TELEMETRY_TOKEN_CHECK_S`)."""
+    hashes = [h for h in key_hashes if h]
+    return _run(aclose_token_sockets(hashes)) if hashes else True
+
+
+def check_user_access(user_pks) -> bool:
+    """Ask the dashboard sockets of these users to check their access again now (logout,
+    team change, deactivation)."""
+    pks = sorted({int(pk) for pk in user_pks if pk is not None})
+    return _run(acheck_user_access(pks)) if pks else True
 
 
 def send_control(job_id: int, learner_index: int, payload: dict) -> bool:

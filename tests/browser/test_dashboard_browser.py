@@ -129,10 +129,10 @@ def test_job_page_updates_live_then_cancel(dash, alice, fleet):
     assert MetricPoint.objects.filter(job=job).count() == len(points)
     dash.screenshot(path="test-artifacts/job_live.png", full_page=True)
 
-    # an event from the worker lands on the timeline, with its reason
-    replies = _agent_send(live, token, [{"type": "event", "job": job.pk, "kind": "checkpointed",
-                                         "message": "checkpoint v1 written",
-                                         "payload": {"reason": "every 10 outer steps"}}])
+    # an event from the coordinator (the only sender of checkpoint events) lands on the timeline
+    replies = _agent_send(live, live.coordinator_token, [
+        {"type": "event", "job": job.pk, "kind": "checkpointed", "message": "checkpoint v1 written",
+         "payload": {"reason": "every 10 outer steps"}}])
     assert not [r for r in replies if r.get("type") == "error"], replies
     first = dash.locator("#timeline li").first
     expect(first).to_contain_text("checkpoint v1 written")

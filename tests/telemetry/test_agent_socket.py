@@ -289,7 +289,8 @@ async def test_metrics_and_events_are_written_and_fanned_out(job, token_a, coord
     await comm.send_json_to({"type": "metrics", "job": job.pk, "points": [
         {"learner": 0, "name": "train_loss", "step": 100, "value": 2.75, "time": 1.8e9},
     ]})
-    await comm.send_json_to({"type": "event", "job": job.pk, "kind": "checkpointed", "message": "v3",
+    # a pool may put notes (info) on the timeline; checkpoints and moves are the coordinator's
+    await comm.send_json_to({"type": "event", "job": job.pk, "kind": "info", "message": "v3",
                              "payload": {"version": 3}, "learner": 0})
     await comm.send_json_to(hb(job))
     await until(comm, lambda m: m["type"] == "ack" and m["n"] == 3)
@@ -307,8 +308,8 @@ async def test_metrics_and_events_are_written_and_fanned_out(job, token_a, coord
         .values_list("name", "learner__index", "step", "value")
     ))()
     assert rows == [("goodput", None, 100, 0.9), ("train_loss", 0, 100, 2.75)]
-    ev = await sync_to_async(Event.objects.get)(job=job, kind="checkpointed")
-    assert ev.message == "v3" and ev.payload == {"version": 3, "learner": 0}
+    ev = await sync_to_async(Event.objects.get)(job=job, kind="info")
+    assert ev.message == "pool tele-a: v3" and ev.payload == {"version": 3, "learner": 0}
     assert ev.pool_id == (await sync_to_async(lambda: job.learners.get(index=0).pool_id)())
 
     got = {}
@@ -319,7 +320,7 @@ async def test_metrics_and_events_are_written_and_fanned_out(job, token_a, coord
     assert got["metrics"]["points"][0]["time"] == 1.8e9
     lrn = got["learner"]
     assert (lrn["index"], lrn["tokens"], lrn["pool"]) == (0, 1000, "tele-a")
-    assert got["event"]["kind"] == "checkpointed" and got["event"]["pool"] == "tele-a"
+    assert got["event"]["kind"] == "info" and got["event"]["pool"] == "tele-a"
     assert got["job"]["status"] == "running"
     await comm.disconnect()
     await watcher.disconnect()
