@@ -18,12 +18,12 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from . import config
 from .client import ApiError, AuthError, Client, ConnectError
+from .safe import SafeConsole, clean, clean_markup
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT, EXIT_AUTH, EXIT_ERROR = 0, 1, 2, 3, 4, 5
 TERMINAL = {"completed", "failed", "cancelled"}
@@ -36,8 +36,10 @@ ckpt_app = typer.Typer(no_args_is_help=True, help="List and download checkpoints
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(ckpt_app, name="checkpoints")
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+# Every string these print is cleaned of terminal control sequences (diloco_cli/safe.py): event
+# messages, names and error details come from the server, written by other people.
+out = SafeConsole(highlight=False, soft_wrap=True)
+err = SafeConsole(stderr=True, highlight=False)
 
 UrlOpt = Annotated[str | None, typer.Option("--url", help="server URL (else DILOCO_URL / saved login)")]
 TokenOpt = Annotated[str | None, typer.Option("--token", help="API token (else DILOCO_TOKEN / saved login)")]
@@ -159,13 +161,14 @@ def _wait(client: Client, job_id: int, timeout: float | None, poll: float, as_js
                             TimeElapsedColumn(), console=err, transient=False)
         progress.start()
         task = progress.add_task("job", total=max(1, job.get("total_tokens") or 1), id=job_id,
-                                 status=job["status"], tok="", loss="-")
+                                 status=clean_markup(job["status"]), tok="", loss="-")
     try:
         while True:
             if progress is not None:
                 loss = (job.get("latest") or {}).get("train_loss")
                 progress.update(task, completed=min(_done(job), job.get("total_tokens") or 0),
-                                status=job["status"], loss=f"{loss:.3f}" if loss is not None else "-",
+                                status=clean_markup(job["status"]),
+                                loss=f"{loss:.3f}" if loss is not None else "-",
                                 tok=f"{_fmt_tokens(_done(job))}/"
                                     f"{_fmt_tokens(job.get('total_tokens') or 0)} tok")
             if job["status"] in TERMINAL:
@@ -414,7 +417,9 @@ def jobs_logs(
                         sys.stdout.write(json.dumps(ev, sort_keys=True) + "\n")
                     else:
                         pool = f" [{ev['pool']}]" if ev.get("pool") else ""
-                        out.print(f"{str(ev['time'])[:23]} {ev['kind']:<12}{pool} {ev['message']}",
+                        # one event, one line: a newline in a message cannot forge the next event
+                        message = clean(ev["message"]).replace("\n", "\\n")
+                        out.print(f"{str(ev['time'])[:23]} {ev['kind']:<12}{pool} {message}",
                                   markup=False)
                 sys.stdout.flush()
                 if page.get("next"):
