@@ -1,4 +1,7 @@
-"""The Celery app: one queue per pool (`pool.<slug>`) and a `coordinator` queue."""
+"""The Celery app: one queue per pool (`pool.<slug>`), a `coordinator` queue for short housekeeping
+(placement, dispatch, watchdog, rebalance, fleet ticks) and a `syncer` queue for the long-running
+syncer shards, served by their own worker (settings.SYNCER_SLOTS threads), so no job can hold
+the threads the watchdog needs."""
 from __future__ import annotations
 
 import os
@@ -11,7 +14,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "diloco_platform.settings")
 
 app = Celery("diloco_platform")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+SYNCER_QUEUE = "syncer"
+# Exact names win over patterns: run_syncer goes to the syncer queue, the rest of the
+# coordinator's tasks (all short) to the coordinator queue.
 app.conf.task_routes = {
+    "apps.coordinator.tasks.run_syncer": {"queue": SYNCER_QUEUE},
     "apps.coordinator.tasks.*": {"queue": "coordinator"},
 }
 app.autodiscover_tasks()

@@ -3,7 +3,10 @@ and the test `Stack` all start these command lines (tests check the Procfile and
 
     web          gunicorn running uvicorn workers over the whole ASGI app (HTTP and /ws/ on one
                  port); how many workers: diloco_platform.gunicorn_conf (one without Redis)
-    coordinator  celery worker -Q coordinator (threads pool)
+    coordinator  celery worker -Q coordinator (threads pool): short housekeeping only (placement,
+                 dispatch, watchdog, rebalance, fleet ticks), never a long-running task
+    syncer       celery worker -Q syncer (threads pool): one thread per syncer shard of a running
+                 job; --concurrency ${SYNCER_SLOTS:-8}, the capacity placement admits jobs against
     <pool>       celery worker -Q pool.<slug>, one per pool, env DILOCO_POOL (+ DILOCO_POOL_TOKEN)
     beat         celery beat (watchdog and rebalancer ticks)
 
@@ -25,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ASGI_APP = "diloco_platform.asgi:application"
 GUNICORN_CONF = "python:diloco_platform.gunicorn_conf"
+# Threads of the syncer worker = settings.SYNCER_SLOTS (one per syncer shard of a running job).
+SYNCER_SLOTS_DEFAULT = 8
+SYNCER_SLOTS = f"${{SYNCER_SLOTS:-{SYNCER_SLOTS_DEFAULT}}}"  # left to the shell (Procfile, compose)
 # The pools of apps/inventory/demo_fleet.yaml and their slots: what the Procfile runs.
 DEMO_POOLS: dict[str, int] = {"cpu-new": 2, "cpu-mid": 1, "cpu-old": 1}
 
@@ -62,9 +68,20 @@ def _celery(python: str | None) -> list[str]:
 
 def coordinator(*, name: str = "coordinator", node: str | None = None, python: str | None = None,
                 extra: Sequence[str] = ()) -> ProcessSpec:
-    """The coordinator queue: syncers, watchdog, dispatch (threads: mostly waiting on I/O)."""
+    """The coordinator queue: placement, dispatch, watchdog, rebalance (short tasks; threads).
+    Syncers run on their own queue (`syncer`), so a job never holds these threads."""
     return ProcessSpec(name, (*_celery(python), "worker", "-Q", "coordinator", "-n", node or f"{name}@%h",
                               "-P", "threads", "--concurrency", "8", "--prefetch-multiplier", "1",
+                              *extra, "-l", "INFO"))
+
+
+def syncer(slots: int | str = SYNCER_SLOTS, *, name: str = "syncer", node: str | None = None,
+           python: str | None = None, extra: Sequence[str] = ()) -> ProcessSpec:
+    """The syncer queue: one long-running thread per syncer shard of a running job. `slots` must be
+    settings.SYNCER_SLOTS (the Procfile and compose read the same variable), the number of
+    shards the coordinator's placement admits at once; a job that does not fit waits queued."""
+    return ProcessSpec(name, (*_celery(python), "worker", "-Q", "syncer", "-n", node or f"{name}@%h",
+                              "-P", "threads", "--concurrency", str(slots), "--prefetch-multiplier", "1",
                               *extra, "-l", "INFO"))
 
 
@@ -89,11 +106,12 @@ def beat(*, schedule: str | None = None, pidfile: str = "", python: str | None =
 def platform(pools: Mapping[str, int] = DEMO_POOLS, *, port: int | str = "${PORT:-8000}",
              host: str = "127.0.0.1", python: str | None = None, tokens: Mapping[str, str] | None = None,
              redis: bool = True, schedule: str | None = None) -> list[ProcessSpec]:
-    """The whole process set: web, coordinator, one worker per pool, beat."""
+    """The whole process set: web, coordinator, syncer, one worker per pool, beat."""
     tokens = tokens or {}
     return [
         web(port, host=host, python=python),
         coordinator(python=python),
+        syncer(python=python),
         *(pool_worker(slug, slots, token=tokens.get(slug), redis=redis, python=python)
           for slug, slots in pools.items()),
         beat(schedule=schedule, python=python),

@@ -180,6 +180,11 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "coordinator"
+# Syncer shards the coordinator runs at once: the threads of the syncer worker(s) (`-Q syncer
+# --concurrency ${SYNCER_SLOTS:-8}`, diloco_platform.processes). Placement admits a job only while
+# its shards fit beside those of the running jobs (it waits queued otherwise); a spec asking for
+# more syncer_shards than this is refused at submission.
+SYNCER_SLOTS = max(1, env.int("SYNCER_SLOTS", default=8))  # = processes.SYNCER_SLOTS_DEFAULT
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 

@@ -8,7 +8,7 @@ from django.contrib import admin
 
 from apps.jobs.admin import JobAdmin, ReadOnlyAdmin
 
-from .models import LearnerRuntime, SyncerLease
+from .models import CoordinatorTick, LearnerRuntime, SyncerLease
 
 
 @admin.register(SyncerLease)
@@ -26,6 +26,13 @@ class LearnerRuntimeAdmin(ReadOnlyAdmin):
                     "move_to", "updated_at")
     search_fields = ("learner__job__name", "worker")
     list_select_related = ("learner", "learner__job", "move_to")
+
+
+@admin.register(CoordinatorTick)
+class CoordinatorTickAdmin(ReadOnlyAdmin):
+    """When the watchdog and the rebalancer last completed a tick (and how many so far)."""
+
+    list_display = ("name", "at", "count")
 
 
 class SyncerLeaseInline(admin.TabularInline):

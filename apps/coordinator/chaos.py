@@ -2,7 +2,8 @@
 
 Sequence on the chaos run (each step waits for the platform to heal before the next):
   1. SIGKILL the worker (main process and pool children) that runs learner 0
-  2. SIGKILL the coordinator (syncer, watchdog) and start it again, as a supervisor would
+  2. SIGKILL the coordinator host: the syncer worker running the job's syncer and the coordinator
+     worker (watchdog, placement), and start them again, as a supervisor would
   3. SIGKILL Redis (broker + channel layer) and start it again (a private redis-server, so
      nobody else's Redis is touched; skipped when redis-server is not installed)
   4. drain the pool of learner 1
@@ -219,14 +220,15 @@ class Drill:
         self.step("kill -9 learner worker", t0, worker=name, recovered_on=back.pool.slug,
                   recovery_s=round(back.last_heartbeat.timestamp() - t0, 3))
 
-        # 2. the coordinator worker running the syncer dies (a standby takes over at once);
-        #    a supervisor starts it again
+        # 2. the coordinator host dies: the syncer worker running the syncer and the coordinator
+        #    worker (the standbys take over at once); a supervisor starts them again
         t0 = time.time()
         lease = SyncerLease.objects.get(job=job, shard=0)
         commits = lease.commits
-        victim = next((n for n in stack.procs if stack.worker_hostname(n) == lease.worker), "coordinator")
-        stack.kill(victim)
-        stack.restart(victim, wait=False)
+        victim = next((n for n in stack.procs if stack.worker_hostname(n) == lease.worker), "syncer")
+        for name in (victim, "coordinator"):
+            stack.kill(name)
+            stack.restart(name, wait=False)
         stack.wait_for(lambda: SyncerLease.objects.get(job=job, shard=0).restarts >= 1
                        or Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=90, what="syncer restart")
         self.step("kill -9 coordinator", t0, worker=victim, resumed_from_commit=commits)

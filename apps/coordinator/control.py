@@ -18,6 +18,7 @@ from apps.jobs import state as st
 from apps.jobs.models import Event, Incident, Job, Learner
 from trainer.spec import stored_spec
 
+from . import capacity
 from .common import (
     event,
     hb_timeout,
@@ -40,7 +41,7 @@ from .dispatch import (
     place_job,
     pool_infos,
 )
-from .models import LearnerRuntime, SyncerLease
+from .models import CoordinatorTick, LearnerRuntime, SyncerLease
 
 ACTIVE = (st.RUNNING, st.PAUSING)
 MOVE_COOLDOWN_S = 30.0
@@ -93,15 +94,23 @@ def _never_fits(job: Job, spec) -> str | None:
 
 
 def start_job(job: Job) -> str:
-    """QUEUED -> PLACING -> RUNNING; back to QUEUED while capacity is busy; FAILED when the job can
-    never run (its spec no longer validates, its model cannot be built, it fits on no pool)."""
+    """QUEUED -> PLACING -> RUNNING; back to QUEUED while capacity is busy (learner slots or
+    syncer slots, apps.coordinator.capacity); FAILED when the job can never run (its spec no
+    longer validates, its model cannot be built, it fits on no pool or no coordinator)."""
     from trainer.placement import PlacementError
 
     with transaction.atomic():
         locked = Job.objects.select_for_update().get(pk=job.pk)
         if locked.status != st.QUEUED:
             return f"already {locked.status}"
+        before = locked.status_reason
         locked.transition(st.PLACING, "placing learners")
+    # counted by the others from here (placing holds syncer slots): see capacity's docstring
+    job.refresh_from_db()
+    if (waiting := syncer_admission(job, before)) is not None:
+        return waiting
+    if job.learners.exists():  # a paused job that waited for syncer slots: its learners resume
+        return _resume(job)
     try:
         place_job(job)
     except PlacementError as exc:
@@ -127,13 +136,40 @@ def start_job(job: Job) -> str:
     return "started"
 
 
+def syncer_admission(job: Job, before: str = "") -> str | None:
+    """None when `job` (placing) may start its syncer shards now; else it goes back to the queue
+    with the reason (or fails, when it can never fit) and the result of start_job is returned.
+    `before`: the job's previous reason, so that a long wait makes one event, not one per tick."""
+    never = capacity.spec_problem(capacity.needed(job))
+    if never:
+        fail_job(job, f"cannot start: {never}")
+        return "failed"
+    wait = capacity.wait_reason(job)
+    if wait is None:
+        return None
+    try:
+        job.transition(st.QUEUED, wait)
+    except st.IllegalTransition:  # cancelled meanwhile
+        return f"already {Job.objects.filter(pk=job.pk).values_list('status', flat=True).first()}"
+    if not before.startswith(capacity.WAITING):
+        event(job, Event.Kind.INFO, wait, {"reason": wait, "syncer_slots": capacity.syncer_slots()})
+    return "waiting for syncer capacity"
+
+
 def resume_placing(job: Job) -> str:
-    """PLACING after a pause: learners that stopped go back to pending, then run."""
+    """PLACING after a pause: learners that stopped go back to pending, then run (once the job's
+    syncer shards fit; until then it waits queued)."""
     if not job.learners.exists():
         with transaction.atomic():
             Job.objects.filter(pk=job.pk, status=st.PLACING).update(status=st.QUEUED)
         job.refresh_from_db()
         return start_job(job)
+    if (waiting := syncer_admission(job, job.status_reason)) is not None:
+        return waiting
+    return _resume(job)
+
+
+def _resume(job: Job) -> str:
     job.learners.filter(state__in=(Learner.State.STOPPED, Learner.State.LOST)) \
         .update(state=Learner.State.PENDING)
     with contextlib.suppress(st.IllegalTransition):
@@ -182,12 +218,12 @@ def ensure_syncer(job: Job) -> None:
     """Start each syncer shard of the job that holds no fresh lease (restart after a death)."""
     spec = stored_spec(job.spec)
     shards = spec.syncer_shards if spec else 1
-    for shard in range(shards):
+    for shard in range(shards):  # each holds one of the syncer slots the job was admitted with
         _ensure_syncer_shard(job, shard, shards)
 
 
 def _ensure_syncer_shard(job: Job, shard: int, shards: int) -> None:
-    from diloco_platform.celery import RUN_SYNCER, send
+    from diloco_platform.celery import RUN_SYNCER, SYNCER_QUEUE, send
 
     # lease.worker: "" = no syncer (never started or stopped cleanly), "dispatched" = sent,
     # else the worker running it; last_heartbeat: its pulse (or the dispatch time)
@@ -211,7 +247,7 @@ def _ensure_syncer_shard(job: Job, shard: int, shards: int) -> None:
         lease.worker = "dispatched"
         lease.started_at = None
         lease.save()
-        transaction.on_commit(lambda: send(RUN_SYNCER, job.pk, epoch, shard))
+        transaction.on_commit(lambda: send(RUN_SYNCER, job.pk, epoch, shard, queue=SYNCER_QUEUE))
     if lost:
         event(job, Event.Kind.FAILED, f"{name} lost; restarting from commit {lease.commits} (epoch {epoch})",
               {"epoch": epoch, "commits": lease.commits, "shard": shard})
@@ -264,6 +300,7 @@ def watchdog() -> dict:
         guarded(job, start_job, job)
     for job in Job.objects.filter(status=st.PLACING, updated_at__lt=t - timedelta(seconds=10))[:10]:
         guarded(job, resume_placing, job)
+    CoordinatorTick.record("watchdog")
     return out
 
 
@@ -444,6 +481,7 @@ def rebalance() -> dict:
                        **{k: v for k, v in vars(mv).items() if isinstance(v, int | float | str)}})
                 out["moves"] += 1
         elastic(job, spec)
+    CoordinatorTick.record("rebalance")
     return out
 
 

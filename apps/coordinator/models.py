@@ -75,3 +75,22 @@ class LearnerRuntime(models.Model):
 
     def __str__(self) -> str:
         return f"runtime of {self.learner}"
+
+
+class CoordinatorTick(models.Model):
+    """When each periodic tick of the coordinator (watchdog, rebalance) last completed: proof that
+    housekeeping runs whatever the jobs hold (the syncers run on their own queue and threads)."""
+
+    name = models.CharField(max_length=40, primary_key=True)
+    at = models.DateTimeField(default=timezone.now)
+    count = models.PositiveBigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.name} tick #{self.count} at {self.at:%H:%M:%S}"
+
+    @classmethod
+    def record(cls, name: str) -> None:
+        """Stamp tick `name` (one UPDATE; the row is made on the first tick)."""
+        t = timezone.now()
+        if not cls.objects.filter(name=name).update(at=t, count=models.F("count") + 1):
+            cls.objects.get_or_create(name=name, defaults={"at": t, "count": 1})

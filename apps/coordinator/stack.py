@@ -13,6 +13,7 @@
         stack.kill_worker("alpha-0")      # SIGKILL the whole worker (main process + pool children)
         stack.start_worker("alpha")       # a fresh worker node for the pool
         stack.kill("coordinator"); stack.restart("coordinator")
+        stack.kill("syncer"); stack.restart("syncer")     # the worker that runs the syncer shards
         stack.wait_for(lambda: ..., timeout=10, what="...")
 
 Processes (all with the Redis broker from REDIS_URL and the test database of the caller), the
@@ -21,8 +22,12 @@ command lines of diloco_platform.processes (as the Procfile, compose and the dem
                 that needs several processes, e.g. the channel layer's fan-out, asks for them)
   <pool>-<i>    `celery worker -Q pool.<slug> --concurrency N --prefetch-multiplier 1
                  --disable-prefetch`, env DILOCO_POOL=<slug>, DILOCO_POOL_TOKEN=<raw token>
-  coordinator   `celery worker -Q coordinator` (threads pool); `coordinators=2` adds a standby
-                "coordinator-1" (any coordinator worker runs the watchdog and restarts syncers)
+  coordinator   `celery worker -Q coordinator` (threads pool; short housekeeping tasks);
+                `coordinators=2` adds a standby "coordinator-1" (any coordinator worker runs the
+                watchdog and restarts syncers)
+  syncer        `celery worker -Q syncer --concurrency <SYNCER_SLOTS>` (threads pool; the syncer
+                shards; SYNCER_SLOTS from extra_env, default 8); as many as coordinators unless
+                `syncers=N` says otherwise ("syncer-1" ...: hot standbys)
   beat          `celery beat` (watchdog, rebalancer ticks)
 
 Each process runs in its own session (process group), logs to <tmp>/logs/<name>.log, and
@@ -151,7 +156,7 @@ class RedisServer:
 
 
 class Stack:
-    """Start web, pool workers, coordinator and beat as real processes; stop them all on exit."""
+    """Start web, pool workers, coordinator, syncer and beat as real processes; stop them all on exit."""
 
     def __init__(
         self,
@@ -161,6 +166,7 @@ class Stack:
         workers_per_pool: int = 1,
         coordinator: bool = True,
         coordinators: int = 1,
+        syncers: int | None = None,
         beat: bool = True,
         web: bool = True,
         web_workers: int = 1,
@@ -183,6 +189,7 @@ class Stack:
         self.want = {"coordinator": coordinator, "beat": beat, "web": web}
         self.web_workers = web_workers
         self.coordinators = coordinators
+        self.syncers = coordinators if syncers is None else syncers
         self.speed_factors = speed_factors or {}
         self.redis_url = redis_url or os.environ.get("REDIS_URL", "")
         if not self.redis_url:
@@ -215,6 +222,7 @@ class Stack:
             **(extra_env or {}),
         }
         self.env.pop("PYTEST_CURRENT_TEST", None)
+        self.syncer_slots = int(self.env.get("SYNCER_SLOTS") or processes.SYNCER_SLOTS_DEFAULT)
         self._worker_seq: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -242,6 +250,8 @@ class Stack:
         if self.want["coordinator"]:
             for i in range(self.coordinators):
                 names.append(self._spawn_coordinator("coordinator" if i == 0 else f"coordinator-{i}"))
+            for i in range(self.syncers):
+                names.append(self._spawn_syncer("syncer" if i == 0 else f"syncer-{i}"))
         for slug in self.pool_slots:
             for _ in range(self.workers_per_pool):
                 names.append(self.start_worker(slug, wait=False))
@@ -285,6 +295,10 @@ class Stack:
 
     def _spawn_coordinator(self, name: str = "coordinator") -> str:
         return self._spawn(processes.coordinator(name=name, node=self._node(name), python=PY, extra=QUIET))
+
+    def _spawn_syncer(self, name: str = "syncer") -> str:
+        return self._spawn(processes.syncer(self.syncer_slots, name=name, node=self._node(name), python=PY,
+                                            extra=QUIET))
 
     def _spawn_beat(self) -> str:
         return self._spawn(processes.beat(schedule=str(self.var / "beat-schedule"),

@@ -2,9 +2,12 @@
 
   reconcile_job(job_id)                       coordinator queue; called by apps.jobs.services
   run_learner(job_id, index, incarnation)     pool.<slug> queue; long-running, acks early
-  run_syncer(job_id, epoch, shard)            coordinator queue; long-running, one per job shard
+  run_syncer(job_id, epoch, shard)            syncer queue; long-running, one per job shard (its own
+                                              worker: SYNCER_SLOTS threads, apps.coordinator.capacity)
   watchdog()                                  coordinator queue; beat, every second
   rebalance()                                 coordinator queue; beat, every few seconds
+
+The coordinator queue runs only short tasks, so housekeeping never waits behind a job's syncer.
 
 Senders use the names (diloco_platform.celery.send), never this module: it imports them.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from diloco_platform.celery import RECONCILE_JOB, RUN_LEARNER, RUN_SYNCER
+from diloco_platform.celery import RECONCILE_JOB, RUN_LEARNER, RUN_SYNCER, SYNCER_QUEUE, send
 
 from .common import log
 
@@ -41,6 +44,10 @@ def run_learner(self, job_id: int, index: int, incarnation: int) -> str:
 def run_syncer(self, job_id: int, epoch: int, shard: int = 0) -> str:
     from .syncer import run_syncer_body
 
+    queue = (self.request.delivery_info or {}).get("routing_key")
+    if queue and queue != SYNCER_QUEUE:  # sent before syncers had a queue: never hold a housekeeping thread
+        send(RUN_SYNCER, job_id, epoch, shard, queue=SYNCER_QUEUE)
+        return f"forwarded to the {SYNCER_QUEUE} queue"
     try:
         return run_syncer_body(int(job_id), int(epoch), self.request.hostname or "", shard=int(shard))
     except Exception:

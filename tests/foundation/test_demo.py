@@ -149,7 +149,7 @@ def test_demo_brings_up_the_embedded_stack_and_stops_cleanly(tmp_path):
     assert proc.returncode == 0, text[-4000:]
     assert "demo        | stopped" in text
     pids = [int(p) for p in re.findall(r"started \(pid (\d+)\)", text)]
-    assert len(pids) == 6  # web, coordinator, three pool workers, beat
+    assert len(pids) == 7  # web, coordinator, syncer, three pool workers, beat
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -48,6 +48,7 @@ def test_compose_runs_the_same_commands():
     services = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]
     assert _argv(services["web"]) == list(processes.web(8000, host="0.0.0.0").argv)
     assert _argv(services["coordinator"]) == list(processes.coordinator().argv)
+    assert _argv(services["syncer"]) == list(processes.syncer().argv)
     assert _argv(services["beat"]) == list(processes.beat().argv)
     for slug, slots in processes.DEMO_POOLS.items():
         svc = services[f"worker-{slug}"]

@@ -214,8 +214,9 @@ def test_syncer_sharded_by_fragment_survives_a_coordinator_kill(stack, owner):
                                 "steps": 240})
     stack.wait_for(lambda: SyncerLease.objects.filter(job=job, commits__gte=2).count() == 2, timeout=90,
                    what="both shards committing")
-    stack.kill("coordinator")
-    stack.restart("coordinator")
+    for name in ("syncer", "coordinator"):  # the coordinator host: the syncers' worker and housekeeping
+        stack.kill(name)
+        stack.restart(name)
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=180, what="job end")
     job.refresh_from_db()
     assert job.status == st.COMPLETED, job.status_reason

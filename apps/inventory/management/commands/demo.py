@@ -9,7 +9,7 @@ newcomer reads top to bottom; the process command lines live in diloco_platform.
 3. creates the admin user (password from DEMO_ADMIN_PASSWORD, else generated and kept in
    var/demo-admin-password) and issues a fresh worker token per demo pool,
 4. starts web (gunicorn + uvicorn workers), one Celery worker per demo pool, the coordinator
-   worker and beat as child processes with prefixed output (the command lines of
+   worker, the syncer worker and beat as child processes with prefixed output (the command lines of
    diloco_platform.processes, as in the Procfile and the test Stack),
 5. waits for /healthz, submits the demo job (examples/job.yaml with its budget of inner steps
    sized from a quick measurement of this machine so it trains for about --minutes, 5 by
@@ -53,7 +53,7 @@ from apps.inventory.models import Node, Pool, PoolToken
 from diloco_platform import processes
 
 FLEET_FILE = Path(__file__).resolve().parents[2] / "demo_fleet.yaml"
-SERVICES = frozenset({"web", "coordinator", "beat"})  # the children that are not pool workers
+SERVICES = frozenset({"web", "coordinator", "syncer", "beat"})  # the children that are not pool workers
 COLOURS = ["36", "33", "32", "35", "34", "31", "96", "93"]
 
 
@@ -301,6 +301,7 @@ class Command(BaseCommand):
         # The command lines of diloco_platform.processes (as the Procfile and the test Stack).
         web = sup.add_spec(processes.web(port, python=py), base)
         sup.add_spec(processes.coordinator(python=py), base)
+        sup.add_spec(processes.syncer(settings.SYNCER_SLOTS, python=py), base)  # the syncer shards' threads
         redis = bool(settings.REDIS_URL)  # --disable-prefetch is a Redis transport option
         for pool in Pool.objects.filter(slug__in=tokens).order_by("-speed_factor"):
             sup.add_spec(processes.pool_worker(pool.slug, pool.device_count, token=tokens[pool.slug],
