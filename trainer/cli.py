@@ -144,6 +144,8 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--eval-batches", type=int, default=d.eval_batches)
     t.add_argument("--device", default=d.device, help="auto|cpu|cuda|xpu|mps|xla")
     t.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    t.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=d.flush_denormal,
+                   help="flush subnormal floats to zero on the CPU (default on)")
     t.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")
     t.add_argument("--cache-dir", default=None, help="token cache (default $DILOCO_CACHE_DIR or var/cache)")
     t.add_argument("--tokenizer", default=None, help="local tokenizer.json (needs the tokenizers package)")
@@ -187,6 +189,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         device=a.device,
         bf16=a.bf16,
         threads=a.threads or None,
+        flush_denormal=a.flush_denormal,
         seed=getattr(a, "seed", 0),
         cache_dir=a.cache_dir,
         tokenizer=a.tokenizer,
@@ -271,6 +274,9 @@ def _train(args: argparse.Namespace, config: TrainConfig) -> int:
         f"nats/token, {report['tokens']:,} tokens, {report['outer_steps']} outer steps, "
         f"{report['bytes_sent'] / 1e6:.1f} MB sent, {report['wall_s']:.1f} s"
     )
+    if report.get("step_time_s_mean"):
+        flush = "on" if config.flush_denormal else "off"
+        summary += f", inner step {report['step_time_s_mean'] * 1e3:.1f} ms by mean (flush denormal {flush})"
     print(summary, file=progress_out, flush=True)
     _write_json(report, args.json)
     return 0

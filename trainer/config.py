@@ -140,6 +140,9 @@ class TrainConfig:
     tokenizer: str | None = None      # path to a local tokenizer.json (needs `tokenizers`)
     max_payload_bytes: int | None = None
     threads: int | None = 1           # torch.set_num_threads for learners (None: leave as is)
+    # CPU learners and syncer flush subnormal floats to zero (torch.set_flush_denormal): weights that
+    # drift into them cost about twice the time per inner step (docs/benchmarks.md, "Subnormals")
+    flush_denormal: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

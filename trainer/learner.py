@@ -47,7 +47,7 @@ from torch import nn
 from trainer.config import TrainConfig
 from trainer.data import Corpus, TokenStream
 from trainer.fragments import make_fragments, sync_schedule
-from trainer.models import autocast, build_model, pick_device
+from trainer.models import autocast, build_model, pick_device, set_flush_denormal
 from trainer.optimizers import forget_state, make_optimizer
 from trainer.protocol import Contribution, GlobalFragment
 
@@ -111,6 +111,7 @@ class Learner:
         self.job = job
         self.standalone = standalone
         self.device = pick_device(config.device)
+        set_flush_denormal(self.device, config.flush_denormal)
         self.corpus = corpus if corpus is not None else load_corpus(config)
         if model is None:
             model = build_model(config.model, config.seq_len, config.seed, vocab_size=self.corpus.vocab_size)

@@ -200,6 +200,16 @@ def model_flops_per_token(name: str, seq_len: int = 64) -> float:
     return 6.0 * model_params(name, seq_len)
 
 
+def set_flush_denormal(device: torch.device, enabled: bool = True) -> bool:
+    """Flush subnormal floats to zero on the CPU (x86 with SSE3, arm64), process-wide: a weight or
+    moment that decays into the subnormal range makes every op touching it tens of times slower,
+    and their values are below anything fp32 training resolves. Returns whether it took effect
+    (False on other devices, where the CPU does not run the model, or where unsupported)."""
+    if device.type != "cpu":
+        return False
+    return bool(torch.set_flush_denormal(enabled)) and enabled
+
+
 def pick_device(preference: str = "auto") -> torch.device:
     """`auto` picks the first available of cuda, xpu, mps, xla, cpu; a named device must exist."""
     pref = (preference or "auto").lower()

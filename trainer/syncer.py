@@ -63,6 +63,7 @@ from trainer.compression import checksum_matches, decode, nonfinite_index
 from trainer.config import TrainConfig
 from trainer.fragments import make_fragments
 from trainer.fused import Combine, FragmentLayout, OuterStep, flat_copy, fused_merge
+from trainer.models import set_flush_denormal
 from trainer.protocol import Contribution, GlobalFragment
 
 STATE_VERSION = 1
@@ -146,6 +147,7 @@ class Syncer:
         self.config = config
         self.clock = clock
         self.job = job
+        set_flush_denormal(torch.device("cpu"), config.flush_denormal)  # the syncer runs on the CPU
         named = dict(initial.named_parameters()) if isinstance(initial, nn.Module) else dict(initial)
         self.fragments = make_fragments(named, config.fragments, config.fragment_mode)
         self.fragment_of = {n: p for p, names in enumerate(self.fragments) for n in names}

@@ -34,7 +34,7 @@ from trainer.clock import ManualClock
 from trainer.config import STRATEGIES, TrainConfig
 from trainer.data import Corpus, TokenStream, evaluate
 from trainer.learner import Learner, inner_lr, load_corpus
-from trainer.models import autocast, build_model, param_count, pick_device
+from trainer.models import autocast, build_model, param_count, pick_device, set_flush_denormal
 from trainer.optimizers import make_optimizer
 from trainer.protocol import Contribution, GlobalFragment
 from trainer.syncer import Syncer
@@ -109,8 +109,11 @@ def run_single(config: TrainConfig, corpus: Corpus, progress: Progress | None = 
     initial = ev(learner.model)
     curve = [[0, initial]]
     rounds = 0
+    step_time = 0.0
     while not learner.done:
+        t_step = time.perf_counter()
         learner.step()
+        step_time += time.perf_counter() - t_step
         if learner.inner_steps % config.inner_steps == 0 or learner.done:
             rounds += 1
             if rounds % config.eval_every == 0 or learner.done:
@@ -136,6 +139,7 @@ def run_single(config: TrainConfig, corpus: Corpus, progress: Progress | None = 
         t0,
         curve,
         inner_steps=learner.inner_steps,
+        step_time_s_mean=_mean_step(step_time, learner.inner_steps),
     )
 
 
@@ -145,6 +149,7 @@ def run_ddp(config: TrainConfig, corpus: Corpus, progress: Progress | None = Non
         torch.set_num_threads(config.threads)
     ev = _Evaluator(config, corpus)
     device = pick_device(config.device)
+    set_flush_denormal(device, config.flush_denormal)
     model = build_model(config.model, config.seq_len, config.seed, vocab_size=corpus.vocab_size).to(device)
     model.train()
     opt = make_optimizer(model, config, device)
@@ -157,7 +162,9 @@ def run_ddp(config: TrainConfig, corpus: Corpus, progress: Progress | None = Non
     tokens = steps = rounds = 0
     bytes_sent = 0
     budget = config.max_tokens
+    step_time = 0.0
     while steps < config.steps and not (budget and tokens >= budget):
+        t_step = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = inner_lr(config, steps)
         batches = [s.next_batch() for s in streams]
@@ -169,6 +176,7 @@ def run_ddp(config: TrainConfig, corpus: Corpus, progress: Progress | None = Non
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        step_time += time.perf_counter() - t_step
         steps += 1
         tokens += x.numel()
         bytes_sent += per_step_bytes
@@ -187,8 +195,15 @@ def run_ddp(config: TrainConfig, corpus: Corpus, progress: Progress | None = Non
             )
     final = curve[-1][1] if curve[-1][0] == tokens else ev(model)
     return _report(
-        config, "ddp", n_params, initial, final, tokens, steps, bytes_sent, t0, curve, inner_steps=steps
+        config, "ddp", n_params, initial, final, tokens, steps, bytes_sent, t0, curve, inner_steps=steps,
+        step_time_s_mean=_mean_step(step_time, steps),
     )
+
+
+def _mean_step(total_s: float, steps: int) -> float | None:
+    """Seconds per inner step by mean over every step (the cycle's syncing steps included: a
+    median would hide them)."""
+    return total_s / steps if steps else None
 
 
 def _emit(progress: Progress | None, **event: Any) -> None:
@@ -236,6 +251,8 @@ class LocalRun:
         self.compression_errors: list[float] = []
         self.curve: list[list[float]] = []
         self.merges = 0
+        self.finish_merges = 0  # the finish's merges (after the budget), reported apart from outer steps
+        self.step_time_s = 0.0  # in learners' adoptions and inner steps (contributions included)
         self.wall_before = 0.0
         self._published: dict[int, bytes] = {}
         self._expected = [self.syncer.expected_shapes(p) for p in range(len(self.syncer.fragments))]
@@ -288,12 +305,13 @@ class LocalRun:
                 if not result.reason.startswith("duplicate"):
                     self.learners[c.learner].refused(c.fragment)
 
-    def _merge(self, p: int, force: bool = False) -> None:
+    def _merge(self, p: int, force: bool = False, finish: bool = False) -> None:
         result = self.syncer.merge(p, force=force)
         self.merges += 1
+        self.finish_merges += finish
         self._published.pop(p, None)
-        if self.merges % self.P == 0:
-            outer = self.merges // self.P
+        if not finish and (self.merges - self.finish_merges) % self.P == 0:
+            outer = (self.merges - self.finish_merges) // self.P
             done = all(learner.done for learner in self.learners)
             if outer % self.config.eval_every == 0 or done:
                 self.curve.append([self.tokens, self.evaluator(self.syncer.params)])
@@ -342,8 +360,10 @@ class LocalRun:
             for m in live:
                 if self.next_t[m] == t_next:
                     learner = self.learners[m]
+                    t_step = time.perf_counter()
                     self._deliver(learner)
                     learner.step()
+                    self.step_time_s += time.perf_counter() - t_step
                     self._send(learner.due_contributions())
                     self.next_t[m] += 1.0 / self.speeds[m]
             self._merge_due()
@@ -359,7 +379,7 @@ class LocalRun:
         for _ in range(2):
             for p in range(self.P):
                 if self.syncer.pending_count(p):
-                    self._merge(p, force=True)
+                    self._merge(p, force=True, finish=True)
             for learner in self.learners:
                 self._deliver(learner)
             for learner in self.learners:
@@ -380,11 +400,12 @@ class LocalRun:
             self.initial_val_loss,
             self.curve[-1][1],
             self.tokens,
-            round(self.merges / self.P),
+            round((self.merges - self.finish_merges) / self.P),
             self.bytes_up + self.bytes_down,
             t0,
             self.curve,
             merges=self.merges,
+            finish_merges=self.finish_merges,
             contributions=self.contributions,
             bytes_up=self.bytes_up,
             bytes_down=self.bytes_down,
@@ -397,6 +418,7 @@ class LocalRun:
             virtual_time_s=self.clock.now(),
             speeds=self.speeds,
             inner_steps=[learner.inner_steps for learner in self.learners],
+            step_time_s_mean=_mean_step(self.step_time_s, sum(lr.inner_steps for lr in self.learners)),
         )
 
     def state_dict(self) -> dict:
@@ -413,8 +435,10 @@ class LocalRun:
             "compression_errors": list(self.compression_errors),
             "curve": [list(x) for x in self.curve],
             "merges": self.merges,
+            "finish_merges": self.finish_merges,
             "initial_val_loss": self.initial_val_loss,
             "wall_before": self.wall_before,
+            "step_time_s": self.step_time_s,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -431,9 +455,11 @@ class LocalRun:
         self.compression_errors = list(state["compression_errors"])
         self.curve = [list(x) for x in state["curve"]]
         self.merges = int(state["merges"])
+        self.finish_merges = int(state.get("finish_merges", 0))
         self.initial_val_loss = state["initial_val_loss"]
         self._evaluated_at = -1  # unknown: the finish evaluates the global it leaves
         self.wall_before = float(state["wall_before"])
+        self.step_time_s = float(state.get("step_time_s", 0.0))
         self._published = {}
 
 

@@ -69,6 +69,16 @@ def test_diloco_and_decoupled_share_the_engine(small_config, stdlib_corpus):
         assert r["val_curve"][0] == [0, r["initial_val_loss"]] and r["val_curve"][-1][0] == r["tokens"]
 
 
+@pytest.mark.parametrize("strategy", ["diloco", "decoupled"])
+def test_outer_steps_count_outer_steps_and_the_finish_merges_apart(small_config, stdlib_corpus, strategy):
+    """P=4, H=4, 8 steps: two outer steps of four fragment merges each, then the finish merges
+    the three fragments whose last steps were still unsent (counted as 3 outer steps before)."""
+    cfg = small_config(learners=2, quorum=1, steps=8, inner_steps=4, fragments=4)
+    report = run_local(cfg, strategy, corpus=stdlib_corpus)
+    assert report["merges"] == 11 and report["finish_merges"] == 3
+    assert report["outer_steps"] == cfg.steps // cfg.inner_steps == 2
+
+
 def test_slow_learner_with_quorum_one(small_config, stdlib_corpus):
     """A learner at half speed never stalls the others: merges go on with K=1."""
     cfg = small_config(learners=2, quorum=1, steps=12, inner_steps=2, grace_cap_s=0.5, max_staleness=8)
