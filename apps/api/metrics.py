@@ -52,6 +52,7 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
     postgres = connection.vendor == "postgresql"
     # EXTRACT gives numeric, which psycopg would load as a Decimal per row: ask for a double
     newest = "CAST(EXTRACT(EPOCH FROM MAX(k.time)) AS DOUBLE PRECISION)" if postgres else "MAX(k.time)"
+    least = "LEAST" if postgres else "MIN"  # steps near 2^63 round up to the last bucket in doubles
     sql = f"""
         WITH s AS (
             SELECT m.name AS name, m.learner_id AS lid, m.step AS step, m.value AS value, m.time AS time,
@@ -64,8 +65,8 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
         ), k AS (
             SELECT s.name, s.lid, s.step, s.value, s.time,
                    CASE WHEN s.n <= %s THEN s.step
-                        ELSE CAST(FLOOR((CAST(s.step AS DOUBLE PRECISION) - s.lo) * %s / (s.hi - s.lo + 1))
-                                  AS BIGINT) END AS b
+                        ELSE {least}(CAST(FLOOR((CAST(s.step AS DOUBLE PRECISION) - s.lo) * %s
+                                                  / (s.hi - s.lo + 1)) AS BIGINT), %s) END AS b
             FROM s
             WHERE s.sr <= %s
         )
@@ -74,7 +75,7 @@ def series(job: Job, names: list[str] | None = None, points: int = 500, learner=
         GROUP BY k.name, k.lid, l.{qn('index')}, k.b
         ORDER BY k.name, k.lid, k.b
     """  # noqa: S608  (table names from the models; every value is a parameter)
-    params += [points, float(points), MAX_SERIES]
+    params += [points, float(points), points - 1, MAX_SERIES]
     with connection.cursor() as cur:
         cur.execute(sql, params)
         rows = cur.fetchall()
