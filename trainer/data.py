@@ -7,8 +7,16 @@ Sources
                       a bare JSON string line is used as is)
   a directory         every file below it, recursively, sorted; files whose first 8 KiB hold
                       a NUL byte are treated as binary and skipped
-  a glob              `data/*.txt`, `corpus/**/*.jsonl`
+  a glob              `data/*.txt`, `corpus/**/*.jsonl` (glob.glob's rules: `**` is any number
+                      of folders, wildcards skip hidden names unless the segment starts with `.`)
   several, joined with `,` (or a list)
+
+File selection is bounded, not glob.glob (whose cost grows like k^4 with k `**`): a glob holds
+at most MAX_GLOB_STARS `**` segments; one dataset selects at most MAX_DATASET_FILES files,
+visits at most MAX_WALK_ENTRIES directory entries and takes at most `deadline_s` seconds
+(WALK_DEADLINE_S), and a `should_stop` callable cancels it; past any of these a
+`SelectionLimit` (a ValueError) names the limit. Each folder is listed at most once per
+pattern segment, symlinked folders included (a link loop ends there).
 
 Tokens are bytes (vocabulary 256) unless a local `tokenizer.json` is given, which needs the
 optional `tokenizers` package. Documents are joined with a blank line. The token arrays are
@@ -21,22 +29,31 @@ last `val_fraction` instead.
 """
 from __future__ import annotations
 
-import glob
+import fnmatch
 import hashlib
 import json
 import os
 import sysconfig
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+# split_source and the `**` bound are the spec's (trainer.spec stays free of numpy and torch)
+from trainer.spec import GLOB_CHARS, MAX_GLOB_STARS, glob_stars, short, split_source
+
 CHUNK = 8192
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
 CACHE_VERSION = 1
+# Bounds of one dataset's file selection (`stdlib` excepted): see the module's docstring.
+MAX_DATASET_FILES = 10_000
+MAX_WALK_ENTRIES = 500_000
+WALK_DEADLINE_S = 30.0
+_CHECK_EVERY = 256  # directory entries between two deadline / cancel checks
 
 
 def stdlib_dir() -> Path:
@@ -55,17 +72,6 @@ def _is_binary(path: Path) -> bool:
         return b"\x00" in fh.read(8192)
 
 
-def split_source(source: str | Iterable[str]) -> list[str]:
-    """The parts of a source spec: a string is split on commas, a list is taken as is.
-
-    The platform checks each part against its data roots with this same function, so what
-    it checks is exactly what the engine reads.
-    """
-    if isinstance(source, str):
-        return [p.strip() for p in source.split(",") if p.strip()]
-    return [str(p) for p in source]
-
-
 def inside_roots(path: Path, roots: Iterable[Path]) -> bool:
     """Whether `path`, with every symlink resolved, lies inside one of `roots`."""
     try:
@@ -75,37 +81,210 @@ def inside_roots(path: Path, roots: Iterable[Path]) -> bool:
     return any(real == root or root in real.parents for root in roots)
 
 
-def resolve_files(source: str | Iterable[str], roots: Iterable[Path] | None = None) -> list[Path]:
+class SelectionLimit(ValueError):
+    """A dataset's file selection went past one of its bounds, or was cancelled."""
+
+
+class _Budget:
+    """What one dataset's selection may still spend: files, directory entries, time."""
+
+    def __init__(self, max_files: int, max_entries: int, deadline_s: float | None,
+                 should_stop: Callable[[], bool] | None) -> None:
+        self.max_files, self.max_entries = max_files, max_entries
+        self.deadline_s = deadline_s
+        self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        self.should_stop = should_stop
+        self.files = self.entries = 0
+
+    def check(self, part: str) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise SelectionLimit(f"data source {short(part)}: selecting its files took longer than "
+                                 f"{self.deadline_s:g} s")
+        if self.should_stop is not None and self.should_stop():
+            raise SelectionLimit(f"data source {short(part)}: file selection cancelled")
+
+    def entry(self, part: str) -> None:
+        self.entries += 1
+        if self.entries > self.max_entries:
+            raise SelectionLimit(f"data source {short(part)}: visits more than {self.max_entries:,} "
+                                 "directory entries")
+        if self.entries % _CHECK_EVERY == 0:
+            self.check(part)
+
+    def file(self, part: str) -> None:
+        self.files += 1
+        if self.files > self.max_files:
+            raise SelectionLimit(f"data source {short(part)}: the dataset selects more than "
+                                 f"{self.max_files:,} files")
+
+
+def _scan(folder: str, part: str, budget: _Budget) -> list[os.DirEntry]:
+    """The entries of `folder`, sorted by name, each counted; [] when it cannot be listed."""
+    budget.check(part)
+    try:
+        with os.scandir(folder or ".") as it:
+            entries = []
+            for entry in it:
+                budget.entry(part)
+                entries.append(entry)
+    except OSError:
+        return []
+    return sorted(entries, key=lambda e: e.name)
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
+def _folder_key(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path or ".")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _join(folder: str, name: str) -> str:
+    return os.path.join(folder, name) if folder else name
+
+
+def glob_files(pattern: str, budget: _Budget | None = None) -> list[Path]:
+    """The files `pattern` matches under glob.glob(pattern, recursive=True)'s rules, sorted,
+    found by a bounded walk: each (folder, segment) pair is visited once, symlinks followed."""
+    budget = budget or _Budget(MAX_DATASET_FILES, MAX_WALK_ENTRIES, WALK_DEADLINE_S, None)
+    stars = glob_stars(pattern)
+    if stars > MAX_GLOB_STARS:
+        raise SelectionLimit(f"data source {short(pattern)}: at most {MAX_GLOB_STARS} '**' per pattern "
+                             f"({stars} given)")
+    if pattern.endswith("/"):
+        return []  # glob: folders only, and a dataset reads files
+    segs = [seg for seg in pattern.split("/") if seg not in ("", ".")]
+    fixed = 0
+    while fixed < len(segs) and not any(ch in segs[fixed] for ch in GLOB_CHARS):
+        fixed += 1
+    base = ("/" if pattern.startswith("/") else "") + "/".join(segs[:fixed])
+    segs = segs[fixed:]
+    if not segs:
+        return [Path(base)] if os.path.isfile(base) else []
+    found: dict[str, None] = {}
+    seen: set[tuple[tuple[int, int], int]] = set()
+    stack = [(base, 0)]
+    while stack:
+        folder, i = stack.pop()
+        key = _folder_key(folder)
+        if key is None or (key, i) in seen:
+            continue
+        seen.add((key, i))
+        for item in _step(folder, i, segs, pattern, budget):
+            if isinstance(item, str):
+                if item not in found:
+                    budget.file(pattern)
+                    found[item] = None
+            else:
+                stack.append(item)
+    return sorted(Path(p) for p in found)
+
+
+def _step(folder: str, i: int, segs: list[str], part: str, budget: _Budget):
+    """From `folder` at segment `i`: matched files (str) and the (folder, segment) pairs to visit."""
+    seg, last = segs[i], i == len(segs) - 1
+    if not any(ch in seg for ch in GLOB_CHARS):  # a literal segment after a wildcard one
+        path = _join(folder, seg)
+        if last:
+            return [path] if os.path.isfile(path) else []
+        return [(path, i + 1)] if os.path.isdir(path) else []
+    out: list = []
+    if seg == "**":
+        if not last:
+            out.append((folder, i + 1))  # `**` as no folder at all
+        for entry in _scan(folder, part, budget):
+            if entry.name.startswith("."):
+                continue
+            path = _join(folder, entry.name)
+            if _is_dir(entry):
+                out.append((path, i))
+            elif last and _is_file(entry):
+                out.append(path)
+        return out[::-1]
+    hidden_ok = seg.startswith(".")
+    for entry in _scan(folder, part, budget):
+        if (entry.name.startswith(".") and not hidden_ok) or not fnmatch.fnmatchcase(entry.name, seg):
+            continue
+        path = _join(folder, entry.name)
+        if last:
+            if _is_file(entry):
+                out.append(path)
+        elif _is_dir(entry):
+            out.append((path, i + 1))
+    return out[::-1]
+
+
+def folder_files(root: Path, budget: _Budget | None = None) -> list[Path]:
+    """Every file below `root` (hidden ones too), sorted by relative path, skipping _SKIP_DIRS;
+    symlinked folders are not entered (as Path.rglob), symlinked files are listed. Bounded."""
+    budget = budget or _Budget(MAX_DATASET_FILES, MAX_WALK_ENTRIES, WALK_DEADLINE_S, None)
+    part = str(root)
+    found: list[tuple[str, Path]] = []
+    stack = [(str(root), "")]
+    while stack:
+        folder, rel = stack.pop()
+        for entry in _scan(folder, part, budget):
+            if entry.name in _SKIP_DIRS:
+                continue
+            sub = f"{rel}/{entry.name}" if rel else entry.name
+            if _is_dir(entry) and not entry.is_symlink():
+                stack.append((entry.path, sub))
+            elif _is_file(entry):
+                budget.file(part)
+                found.append((sub, root / sub))
+    return [p for _, p in sorted(found)]
+
+
+def resolve_files(source: str | Iterable[str], roots: Iterable[Path] | None = None, *,
+                  should_stop: Callable[[], bool] | None = None,
+                  deadline_s: float | None = WALK_DEADLINE_S,
+                  max_files: int = MAX_DATASET_FILES, max_entries: int = MAX_WALK_ENTRIES) -> list[Path]:
     """The input files of a source spec, deterministic order, no duplicates.
 
     With `roots` (the platform's data roots), every file found, after symlinks, must lie
     inside one of them (`stdlib` excepted): a link in a data folder cannot reach elsewhere.
+    Globs and folders are walked within the bounds (`SelectionLimit` past one of them):
+    `max_files` files, `max_entries` directory entries, `deadline_s` seconds, `should_stop`.
     """
     parts = split_source(source)
     if not parts:
         raise ValueError("empty data source")
+    budget = _Budget(max_files, max_entries, deadline_s, should_stop)
     files: list[Path] = []
     for part in parts:
         if part == "stdlib":
             root = stdlib_dir()
             found = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)]
             files.extend(sorted(found, key=lambda p: p.relative_to(root).as_posix()))
-        elif any(ch in part for ch in "*?["):
-            matched = sorted(Path(p) for p in glob.glob(part, recursive=True) if os.path.isfile(p))
+        elif any(ch in part for ch in GLOB_CHARS):
+            matched = glob_files(part, budget)
             if not matched:
-                raise ValueError(f"data source {part!r} matches no files")
+                raise ValueError(f"data source {short(part)} matches no files")
             files.extend(p for p in matched if not _is_binary(p))
         else:
             path = Path(part)
             if path.is_file():
+                budget.file(part)
                 files.append(path)
             elif path.is_dir():
-                found = [p for p in path.rglob("*") if p.is_file()
-                         and not _SKIP_DIRS.intersection(p.relative_to(path).parts)]
-                files.extend(p for p in sorted(found, key=lambda p: p.relative_to(path).as_posix())
-                             if not _is_binary(p))
+                files.extend(p for p in folder_files(path, budget) if not _is_binary(p))
             else:
-                raise ValueError(f"data source {part!r} does not exist")
+                raise ValueError(f"data source {short(part)} does not exist")
     if roots is not None:
         allowed = [Path(r).resolve() for r in roots]
         std = stdlib_dir().resolve()
@@ -120,7 +299,7 @@ def resolve_files(source: str | Iterable[str], roots: Iterable[Path] | None = No
             seen.add(key)
             unique.append(f)
     if not unique:
-        raise ValueError(f"data source {source!r} holds no text files")
+        raise ValueError(f"data source {short(str(source))} holds no text files")
     return unique
 
 
@@ -195,9 +374,12 @@ class Corpus:
     @classmethod
     def load(cls, source: str | Iterable[str] = "stdlib", cache_dir: str | os.PathLike | None = None,
              tokenizer: str | None = None, val_fraction: float = 0.05,
-             roots: Iterable[Path] | None = None) -> Corpus:
+             roots: Iterable[Path] | None = None, should_stop: Callable[[], bool] | None = None,
+             deadline_s: float | None = WALK_DEADLINE_S) -> Corpus:
+        """The corpus of `source`: its files selected within the bounds of `resolve_files`
+        (`should_stop`, `deadline_s`), tokenized once into the cache."""
         tok = FileTokenizer(tokenizer) if tokenizer else ByteTokenizer()
-        files = resolve_files(source, roots)
+        files = resolve_files(source, roots, should_stop=should_stop, deadline_s=deadline_s)
         h = hashlib.sha256(f"v{CACHE_VERSION}|{tok.name}|{val_fraction}".encode())
         for f in files:
             st = f.stat()

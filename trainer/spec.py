@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,6 +37,45 @@ InnerParallelism = Literal["ddp", "fsdp"]
 InnerOptimizer = Literal["adamw", "muon"]
 InnerState = Literal["keep", "reset"]
 FragmentMode = Literal["balanced", "strided"]
+
+# Bounds of a dataset's file selection (trainer.data.resolve_files walks with them): a glob may
+# hold at most MAX_GLOB_STARS recursive `**` segments, a dataset at most MAX_SOURCES sources.
+MAX_GLOB_STARS = 2
+MAX_SOURCES = 64
+GLOB_CHARS = "*?["
+
+
+def split_source(source: str | Iterable[str]) -> list[str]:
+    """The parts of a source spec: a string is split on commas, a list is taken as is.
+
+    The platform checks each part against its data roots with this same function, so what
+    it checks is exactly what the engine reads (trainer.data re-exports it).
+    """
+    if isinstance(source, str):
+        return [p.strip() for p in source.split(",") if p.strip()]
+    return [str(p) for p in source]
+
+
+def glob_stars(part: str) -> int:
+    """The recursive `**` segments of a source part (what makes a glob's walk costly)."""
+    return sum(1 for seg in part.split("/") if seg == "**")
+
+
+def short(text: str, limit: int = 80) -> str:
+    """`text` quoted and cut to `limit` characters, for a message that echoes a value."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def source_problem(source: str | Iterable[str]) -> str | None:
+    """Why a dataset's sources break the selection bounds (count, `**` per glob), or None."""
+    parts = split_source(source)
+    if len(parts) > MAX_SOURCES:
+        return f"at most {MAX_SOURCES} sources per dataset ({len(parts)} given)"
+    for part in parts:
+        stars = glob_stars(part)
+        if stars > MAX_GLOB_STARS:
+            return f"at most {MAX_GLOB_STARS} '**' per pattern ({short(part)} has {stars})"
+    return None
 
 
 class JobSpec(BaseModel):
@@ -143,8 +183,8 @@ class JobSpec(BaseModel):
     def _dataset_list(cls, v: object) -> object:
         """A list of paths is stored as the engine's comma-joined source string."""
         if isinstance(v, list):
-            if not v or len(v) > 64 or not all(isinstance(p, str) and p.strip() for p in v):
-                raise ValueError("must be a list of 1 to 64 non-empty paths")
+            if not v or len(v) > MAX_SOURCES or not all(isinstance(p, str) and p.strip() for p in v):
+                raise ValueError(f"must be a list of 1 to {MAX_SOURCES} non-empty paths")
             if any("," in p for p in v):
                 raise ValueError("a path in the list must not contain a comma")
             return ",".join(p.strip() for p in v)
@@ -155,6 +195,9 @@ class JobSpec(BaseModel):
     def _dataset(cls, v: str) -> str:
         if "\x00" in v or not v.strip(",").strip():
             raise ValueError("must be 'stdlib' or a file path")
+        problem = source_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("pools")

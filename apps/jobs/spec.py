@@ -7,6 +7,7 @@ factories from `settings.MODEL_FACTORIES` only, files inside `settings.DATA_ROOT
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from django.conf import settings
 from pydantic import ValidationError
 
 from trainer.data import inside_roots, split_source
-from trainer.spec import MODEL_PRESETS, JobSpec, spec_errors
+from trainer.spec import MODEL_PRESETS, JobSpec, short, spec_errors
 
 _GLOB_CHARS = "*?["
 
@@ -37,8 +38,9 @@ def _part_allowed(part: str, roots: list[Path]) -> bool:
         return True
     if not Path(part).is_absolute() or ".." in Path(part).parts:
         return False
-    # a glob is checked on its fixed prefix here; the files it matches are checked again,
-    # symlinks resolved, when the worker reads them (trainer.data.resolve_files(roots=...))
+    # a glob is checked on its fixed prefix here (its '**' count by JobSpec); the files it matches
+    # are checked again, symlinks resolved, when the worker reads them within the selection's
+    # bounds (trainer.data.resolve_files(roots=...): files, directory entries, time)
     fixed = Path(part)
     while any(ch in fixed.name for ch in _GLOB_CHARS):
         fixed = fixed.parent
@@ -53,12 +55,35 @@ def dataset_problem(dataset: str) -> str | None:
     roots = [Path(r).resolve() for r in settings.DATA_ROOTS]
     for part in parts:
         if any(ord(ch) < 32 for ch in part):
-            return f"{part!r}: control characters are not allowed in a path"
+            return f"{short(part)}: control characters are not allowed in a path"
         if not _part_allowed(part, roots):
             where = ", ".join(str(r) for r in roots) or "none configured"
-            return (f"{part!r} is not 'stdlib' or an absolute path inside a data root ({where}); "
+            return (f"{short(part)} is not 'stdlib' or an absolute path inside a data root ({where}); "
                     "'..' is not allowed")
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def preset_tensors(model: str) -> int:
+    """Parameter tensors of a model preset (what fragments split: trainer.fragments.make_fragments),
+    counted on a model built on the meta device (no memory, no initialisation cost)."""
+    import torch
+
+    from trainer.models import build_model
+
+    with torch.device("meta"):
+        return sum(1 for _ in build_model(model, seq_len=8).named_parameters())
+
+
+def fragments_problem(spec: JobSpec) -> str | None:
+    """Why `spec`'s fragments cannot split its model (more fragments than tensors), or None. A factory's
+    model is not built here; the syncer refuses it at start (make_fragments) if it has too few."""
+    if spec.model not in MODEL_PRESETS or spec.fragments is None:
+        return None
+    tensors = preset_tensors(spec.model)
+    if spec.fragments <= tensors:
+        return None
+    return f"must not exceed the model's parameter tensors ({spec.model}: {tensors})"
 
 
 def largest_node(pools: list[str]) -> tuple[int, str]:
@@ -104,6 +129,9 @@ def validate_spec(data: Any, *, fleet: bool = True) -> JobSpec:
     problem = dataset_problem(spec.dataset)
     if problem:
         errors["dataset"] = [problem]
+    problem = fragments_problem(spec)
+    if problem:
+        errors["fragments"] = [problem]
     island = island_problem(spec) if fleet else None
     if island:
         errors["devices_per_learner"] = [island]
