@@ -167,7 +167,6 @@ class Syncer:
         self.momentum: dict[str, torch.Tensor] = {}
         self.versions: dict[int, int] = dict.fromkeys(range(len(self.fragments)), 0)
         self.applied: set[tuple] = set()
-        self.incarnations: dict[int, int] = {}
         self.expected_learners = config.learners
         self.rejections: dict[str, int] = {}
         self.merges = 0
@@ -194,7 +193,6 @@ class Syncer:
             reason, norms = self._check_tensors(c)
         if reason is not None:
             return self._reject(reason)
-        self.incarnations[c.learner] = max(self.incarnations.get(c.learner, 0), c.incarnation)
         last = self._last_arrival.get((c.learner, c.fragment))
         if last is not None and now > last:
             self.xi_step.update((now - last) / c.inner_steps)
@@ -535,7 +533,6 @@ class Syncer:
             "momentum": {n: t.clone() for n, t in self.momentum.items()},
             "versions": dict(self.versions),
             "applied": sorted(self.applied),
-            "incarnations": dict(self.incarnations),
             "rejections": dict(self.rejections),
             "merges": self.merges,
             "ema": [self.xi_step.value, self.xi_quorum.value, self.xi_sync.value],
@@ -565,7 +562,7 @@ class Syncer:
         self._set_momentum(state["momentum"])
         self.versions = {int(p): int(v) for p, v in state["versions"].items()}
         self.applied = {tuple(int(x) for x in k) for k in state["applied"]}
-        self.incarnations = {int(k): int(v) for k, v in state["incarnations"].items()}
+        # (states written before issue 36 also hold "incarnations", which nothing read: ignored)
         self.rejections = dict(state["rejections"])
         self.merges = int(state["merges"])
         self.xi_step.value, self.xi_quorum.value, self.xi_sync.value = state["ema"]
