@@ -237,3 +237,20 @@ def test_an_eight_shard_job_never_stops_housekeeping(tmp_path, django_user_model
         assert len(ticks.seen) >= 10 and gap <= 5.0
         for job in (small, later):
             cancel_job(Job.objects.get(pk=job.pk))
+
+
+def test_a_syncer_message_on_the_coordinator_queue_is_forwarded_not_run(monkeypatch):
+    """A run_syncer sent before the upgrade (routed to `coordinator`) must not hold a housekeeping
+    thread: it is sent on to the syncer queue."""
+    from apps.coordinator import tasks
+
+    sent, ran = [], []
+    monkeypatch.setattr(tasks, "send", lambda *a, **kw: sent.append((a, kw)))
+    monkeypatch.setattr("apps.coordinator.syncer.run_syncer_body", lambda *a, **kw: ran.append(a) or "ran")
+    for queue, want in (("coordinator", "forwarded to the syncer queue"), ("syncer", "ran")):
+        tasks.run_syncer.push_request(delivery_info={"routing_key": queue}, hostname="syncer@h")
+        try:
+            assert tasks.run_syncer.run(7, 3, 1) == want
+        finally:
+            tasks.run_syncer.pop_request()
+    assert sent == [((tasks.RUN_SYNCER, 7, 3, 1), {"queue": "syncer"})] and ran == [(7, 3, "syncer@h")]
