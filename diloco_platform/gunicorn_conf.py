@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging
 import os
+import re
 from collections.abc import Mapping
+
+from uvicorn_worker import UvicornWorker
 
 
 def web_workers(env: Mapping[str, str] = os.environ, cpus: int | None = None) -> int:
@@ -51,7 +55,119 @@ def post_worker_init(worker) -> None:
     gc.freeze()
 
 
-worker_class = "uvicorn_worker.UvicornWorker"
+def _env_float(name: str, default: float, env: Mapping[str, str] = os.environ) -> float:
+    try:
+        return float(env.get(name) or default)
+    except ValueError:
+        return default
+
+
+# --- what a client may hold (issue 35: 1000 half-sent requests were held 70 s) ---------------
+# The request line and headers must arrive within HEADER_TIMEOUT_S of the connection opening (or
+# of the previous response, on a kept-alive connection); then the connection is closed. uvicorn
+# has no such timeout of its own: a client sending a byte now and then held a connection (and
+# its memory) for as long as it liked. A proxy in front should have its own (docs/security.md).
+HEADER_TIMEOUT_S = _env_float("WEB_HEADER_TIMEOUT_S", 15.0)
+# Connections (HTTP and websockets) plus running requests per worker; past it, new HTTP requests
+# get a 503 at once instead of queueing without end.
+MAX_CONNECTIONS = int(_env_float("WEB_MAX_CONNECTIONS", 1000))
+
+
+def _header_timeout_protocol():
+    """uvicorn's httptools protocol with a deadline for each request's headers (None without
+    httptools: uvicorn then uses h11, bounded by h11_max_incomplete_event_size only)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - httptools is installed with uvicorn[standard]
+        return None
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        header_timeout = HEADER_TIMEOUT_S
+        _header_timer = None
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._header_timer is None:
+                self._arm_header_timer()
+
+        def on_headers_complete(self) -> None:
+            self._cancel_header_timer()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
+
+
+# --- what the logs may hold --------------------------------------------------------------
+# Workers put their pool token in the websocket URL (/ws/agent/?token=...); uvicorn logs that
+# URL whole, the handshake at INFO on "uvicorn.error" and each request on "uvicorn.access".
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:token|access_token|key|password|secret)=)[^&\s\"']*")
+
+
+def redact(text: str) -> str:
+    """`text` with the values of token-like query parameters replaced by [redacted]."""
+    return _SECRET_PARAM.sub(r"\1[redacted]", text)
+
+
+class RedactSecrets(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string is logging's business, not ours
+            return True
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
+
+
+def install_log_redaction() -> None:
+    for name in ("uvicorn.access", "uvicorn.error", "gunicorn.access", "gunicorn.error"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, RedactSecrets) for f in log.filters):
+            log.addFilter(RedactSecrets())
+
+
+class Worker(UvicornWorker):
+    """uvicorn's gunicorn worker with the bounds above and the token redaction of the logs."""
+
+    CONFIG_KWARGS = {**UvicornWorker.CONFIG_KWARGS, "limit_concurrency": MAX_CONNECTIONS}
+    _protocol = _header_timeout_protocol()
+    if _protocol is not None:
+        CONFIG_KWARGS["http"] = _protocol
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        install_log_redaction()
+
+
+worker_class = "diloco_platform.gunicorn_conf.Worker"
+# X-Forwarded-For and X-Forwarded-Proto are believed from these addresses only: none unless
+# FORWARDED_ALLOW_IPS names the proxy in front (comma-separated addresses or networks). gunicorn's
+# default trusted 127.0.0.1, and the uvicorn workers inherit it, so any client on the web host
+# could pick the address the sign-in throttle counts against (issue 35).
+forwarded_allow_ips = os.environ.get("FORWARDED_ALLOW_IPS", "")
 raw_env = web_db_pool()
 workers = web_workers()
 # A request that takes longer than this is stuck: the worker is replaced (websockets are not

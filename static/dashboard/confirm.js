@@ -22,3 +22,10 @@ dialog.addEventListener("close", () => {
     form.requestSubmit();
   }
 });
+
+// Inputs with data-select-on-focus select their whole value on focus (the new token's key).
+// Here, not in an onfocus attribute: the Content-Security-Policy runs no inline handlers.
+document.addEventListener("focusin", (ev) => {
+  const el = ev.target;
+  if (el instanceof HTMLInputElement && el.hasAttribute("data-select-on-focus")) el.select();
+});
