@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Iterable
 
 from rest_framework.settings import api_settings
@@ -63,12 +64,13 @@ class JobCreateThrottle(_LiveRateThrottle):
 
 class TokenCreateThrottle(_LiveRateThrottle):
     """New API tokens per signed-in user (POST /api/v1/auth/tokens/ and the dashboard's tokens
-    page). Rate: DEFAULT_THROTTLE_RATES["token_create"], else TOKEN_CREATE_RATE."""
+    page). Rate: DEFAULT_THROTTLE_RATES["token_create"], else API_THROTTLE_TOKEN_CREATE from the
+    environment, else TOKEN_CREATE_RATE."""
 
     scope = "token_create"
 
     def get_rate(self):
-        return super().get_rate() or TOKEN_CREATE_RATE
+        return super().get_rate() or os.environ.get("API_THROTTLE_TOKEN_CREATE") or TOKEN_CREATE_RATE
 
     def allow_request(self, request, view):
         if request.method != "POST":
