@@ -14,7 +14,7 @@ Sources
 File selection is bounded, not glob.glob (whose cost grows like k^4 with k `**`): a glob holds
 at most MAX_GLOB_STARS `**` segments; one dataset selects at most MAX_DATASET_FILES files,
 visits at most MAX_WALK_ENTRIES directory entries and takes at most `deadline_s` seconds
-(WALK_DEADLINE_S), and a `should_stop` callable cancels it; past any of these a
+(WALK_DEADLINE_S), and a `should_stop` callable (asked at most every 0.25 s) cancels it; past any a
 `SelectionLimit` (a ValueError) names the limit. Each folder is listed at most once per
 pattern segment, symlinked folders included (a link loop ends there).
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 import os
 import sysconfig
 import tempfile
@@ -54,6 +55,7 @@ MAX_DATASET_FILES = 10_000
 MAX_WALK_ENTRIES = 500_000
 WALK_DEADLINE_S = 30.0
 _CHECK_EVERY = 256  # directory entries between two deadline / cancel checks
+_STOP_EVERY_S = 0.25  # should_stop (a host's cancel check, maybe a query) at most this often
 
 
 def stdlib_dir() -> Path:
@@ -94,14 +96,18 @@ class _Budget:
         self.deadline_s = deadline_s
         self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self.should_stop = should_stop
+        self.asked = -math.inf  # when should_stop was last called
         self.files = self.entries = 0
 
     def check(self, part: str) -> None:
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        now = time.monotonic()
+        if self.deadline is not None and now > self.deadline:
             raise SelectionLimit(f"data source {short(part)}: selecting its files took longer than "
                                  f"{self.deadline_s:g} s")
-        if self.should_stop is not None and self.should_stop():
-            raise SelectionLimit(f"data source {short(part)}: file selection cancelled")
+        if self.should_stop is not None and now - self.asked >= _STOP_EVERY_S:
+            self.asked = now
+            if self.should_stop():
+                raise SelectionLimit(f"data source {short(part)}: file selection cancelled")
 
     def entry(self, part: str) -> None:
         self.entries += 1

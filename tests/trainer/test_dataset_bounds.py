@@ -184,13 +184,23 @@ def test_walk_stops_at_the_deadline_and_on_cancel(tmp_path):
     root = _deep(tmp_path / "deep", depth=30, width=3)
     with pytest.raises(SelectionLimit, match="longer than 0 s"):
         resolve_files(f"{root}/**/*.txt", deadline_s=0)
-    calls = []
-
-    def cancelled() -> bool:
-        calls.append(1)
-        return len(calls) > 3
-
     start = time.monotonic()
     with pytest.raises(SelectionLimit, match="cancelled"):
-        Corpus.load(f"{root}/**/*.txt", cache_dir=tmp_path / "cache", should_stop=cancelled)
-    assert time.monotonic() - start < 1 and len(calls) == 4
+        Corpus.load(f"{root}/**/*.txt", cache_dir=tmp_path / "cache", should_stop=lambda: True)
+    assert time.monotonic() - start < 1
+    calls = []
+
+    def slow(answer: bool):
+        def should_stop() -> bool:  # a cancel check that costs (a query): it is asked sparingly
+            calls.append(1)
+            time.sleep(0.3)
+            return answer and len(calls) > 2
+        return should_stop
+
+    with pytest.raises(SelectionLimit, match="cancelled"):
+        resolve_files(f"{root}/**/*.txt", should_stop=slow(True))  # the cancel comes mid-walk
+    assert len(calls) == 3
+    calls.clear()
+    cheap = []
+    assert len(resolve_files(f"{root}/**/*.txt", should_stop=lambda: cheap.append(1))) == 30
+    assert len(cheap) < 5  # 90 folders, asked at most every 0.25 s
