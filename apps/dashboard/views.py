@@ -15,6 +15,7 @@ from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import Count, Q
 from django.http import FileResponse, Http404, HttpResponse, HttpResponseRedirect, JsonResponse
@@ -226,7 +227,10 @@ def fleet_history_json(request, slug, pk=None):
 @staff_member_required
 @require_POST
 def pool_drain(request, slug):
-    """Stop placing on a pool; the coordinator moves its learners elsewhere."""
+    """Stop placing on a pool; the coordinator moves its learners elsewhere. Staff with the
+    `inventory.change_pool` permission only, as the admin's drain action (issue 35)."""
+    if not request.user.has_perm("inventory.change_pool"):
+        raise PermissionDenied("Draining a pool needs the inventory.change_pool permission.")
     pool = get_object_or_404(Pool, slug=slug)
     target = request.POST.get("state", Pool.State.DRAINING)
     if target not in (Pool.State.DRAINING, Pool.State.ACTIVE):
@@ -420,7 +424,7 @@ def job_detail(request, pk):
         "syncer_shards": SyncerLease.shards_of(job),
         "chart_data": chart_data,
         "rank_series": data.rank_series(job),
-        "demo_chaos": demo_chaos_enabled() and request.user.is_staff,
+        "demo_chaos": demo_chaos_enabled() and request.user.has_perm("inventory.change_pool"),
         "pools_here": pools_here,
         "goodput": goodput,
         "can_cancel": "cancel" in actions,
@@ -454,6 +458,8 @@ def demo_kill_worker(request, pk):
 
     if not demo_chaos_enabled():
         raise Http404("the chaos button exists only in `manage.py demo`")
+    if not request.user.has_perm("inventory.change_pool"):
+        raise PermissionDenied("Killing a pool worker needs the inventory.change_pool permission.")
     job = get_object_or_404(Job, pk=pk)
     pools = kill_candidates(job.pk)
     if not pools:

@@ -106,3 +106,52 @@ def test_change_job_may_cancel(client, django_user_model, fleet, alice):
     client.post(url, {"action": "cancel", "_selected_action": [job.pk]})
     job.refresh_from_db()
     assert job.status == "cancelled"
+
+
+# The other doors to the same actions: the API's pool actions and the dashboard's drain button.
+def _api(user):
+    from rest_framework.test import APIClient
+
+    from apps.api.models import ApiToken
+
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Bearer {ApiToken.issue(user, 'test')[1]}")
+    return c
+
+
+def test_api_pool_writes_need_the_model_permission(django_user_model, fleet):
+    pool = Pool.objects.filter(state=Pool.State.ACTIVE).first()
+    viewer = _staff(django_user_model, "inventory.view_pool")
+    api = _api(viewer)
+    assert api.get(f"/api/v1/pools/{pool.slug}/").status_code == 200
+    r = api.post(f"/api/v1/pools/{pool.slug}/drain/")
+    assert r.status_code == 403 and "inventory.change_pool" in r.json()["detail"]
+    assert api.patch(f"/api/v1/pools/{pool.slug}/", {"notes": "x"}, format="json").status_code == 403
+    assert api.delete(f"/api/v1/pools/{pool.slug}/").status_code == 403
+    pool.refresh_from_db()
+    assert pool.state == Pool.State.ACTIVE
+    viewer.user_permissions.add(Permission.objects.get(content_type__app_label="inventory",
+                                                       codename="change_pool"))
+    r = _api(django_user_model.objects.get(pk=viewer.pk)).post(f"/api/v1/pools/{pool.slug}/drain/")
+    assert r.status_code == 200 and r.json()["state"] == "draining"
+
+
+def test_dashboard_drain_needs_change_pool(client, django_user_model, fleet):
+    pool = Pool.objects.filter(state=Pool.State.ACTIVE).first()
+    client.force_login(_staff(django_user_model, "inventory.view_pool"))
+    r = client.post(reverse("dashboard:pool-drain", args=[pool.slug]), {"state": "draining"})
+    assert r.status_code == 403
+    pool.refresh_from_db()
+    assert pool.state == Pool.State.ACTIVE
+    client.force_login(_staff_named(django_user_model, "operator", "inventory.change_pool"))
+    client.post(reverse("dashboard:pool-drain", args=[pool.slug]), {"state": "draining"})
+    pool.refresh_from_db()
+    assert pool.state == Pool.State.DRAINING
+
+
+def _staff_named(django_user_model, name, *codenames):
+    user = django_user_model.objects.create_user(name, f"{name}@example.com", "pw-x-12345678", is_staff=True)
+    for code in codenames:
+        app, perm = code.split(".")
+        user.user_permissions.add(Permission.objects.get(content_type__app_label=app, codename=perm))
+    return django_user_model.objects.get(pk=user.pk)

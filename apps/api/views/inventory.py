@@ -1,11 +1,13 @@
-"""Accelerator types, pools and nodes: everyone signed in reads, staff write."""
+"""Accelerator types, pools and nodes: everyone signed in reads, staff with the model permission write."""
 from __future__ import annotations
 
+from django.contrib.auth import get_permission_codename
 from django.db import IntegrityError, transaction
 from django.db.models import Count, ProtectedError, Q
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import filters, viewsets
 from rest_framework.decorators import action
+from rest_framework.permissions import SAFE_METHODS
 from rest_framework.response import Response
 
 from apps.inventory.models import AcceleratorType, Node, Pool
@@ -15,6 +17,29 @@ from .. import serializers as s
 from ..exceptions import Conflict
 from ..permissions import IsStaffOrReadOnly
 from .common import SafeQueryMixin, publish_fleet
+
+_WRITE_PERMISSION = {"POST": "add", "PUT": "change", "PATCH": "change", "DELETE": "delete"}
+
+
+class FleetWritePermission(IsStaffOrReadOnly):
+    """Signed-in users read; staff write, each write under the model's permission, as in the admin
+    (issue 35: staff with only `view_pool` drained pools from the admin). Creating needs `add`,
+    editing and the state actions (drain, activate, disable) `change`, removing `delete`."""
+
+    def has_permission(self, request, view) -> bool:
+        if not super().has_permission(request, view):
+            return False
+        if request.method in SAFE_METHODS:
+            return True
+        verb = _WRITE_PERMISSION.get(request.method, "change")
+        if request.method == "POST" and getattr(view, "action", None) != "create":
+            verb = "change"  # drain, activate, disable change a row
+        opts = view.get_serializer_class().Meta.model._meta
+        perm = f"{opts.app_label}.{get_permission_codename(verb, opts)}"
+        if request.user.has_perm(perm):
+            return True
+        self.message = f"You do not have the {perm} permission."
+        return False
 
 
 class _ProtectedDestroyMixin:
@@ -43,7 +68,7 @@ class AcceleratorTypeViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.Mo
 
     queryset = AcceleratorType.objects.all()
     serializer_class = s.AcceleratorTypeSerializer
-    permission_classes = [IsStaffOrReadOnly]
+    permission_classes = [FleetWritePermission]
     lookup_field = "slug"
     lookup_value_regex = r"[-a-zA-Z0-9_]+"
     filter_backends = [filters.SearchFilter, filters.OrderingFilter]
@@ -59,7 +84,7 @@ class PoolViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.ModelViewSet)
     """Pools of accelerators; `drain`, `activate` and `disable` change what gets placed there."""
 
     serializer_class = s.PoolSerializer
-    permission_classes = [IsStaffOrReadOnly]
+    permission_classes = [FleetWritePermission]
     lookup_field = "slug"
     lookup_value_regex = r"[-a-zA-Z0-9_]+"
     filter_backends = [filters.SearchFilter, filters.OrderingFilter]
@@ -125,7 +150,7 @@ class NodeViewSet(SafeQueryMixin, _ProtectedDestroyMixin, viewsets.ModelViewSet)
     """Worker hosts (they register themselves; staff may edit or remove them)."""
 
     serializer_class = s.NodeSerializer
-    permission_classes = [IsStaffOrReadOnly]
+    permission_classes = [FleetWritePermission]
     lookup_value_regex = r"[0-9]+"
     filter_backends = [filters.SearchFilter]
     search_fields = ["hostname", "worker_name"]
