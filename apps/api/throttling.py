@@ -82,7 +82,7 @@ class TokenCreateThrottle(_LiveRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": ident}
 
 
-TOKEN_CREATE_RATE = "30/minute"  # noqa: S105 (a rate, not a secret)
+TOKEN_CREATE_RATE = "60/minute"  # noqa: S105 (a rate, not a secret)
 AUTH_THROTTLES = (AuthRateThrottle, AuthUsernameThrottle)
 JOB_CREATE_THROTTLES = (JobCreateThrottle,)
 TOKEN_CREATE_THROTTLES = (TokenCreateThrottle,)
