@@ -276,7 +276,8 @@ def _train(args: argparse.Namespace, config: TrainConfig) -> int:
     )
     if report.get("step_time_s_mean"):
         flush = "on" if config.flush_denormal else "off"
-        summary += f", inner step {report['step_time_s_mean'] * 1e3:.1f} ms by mean (flush denormal {flush})"
+        summary += (f", inner step by mean {report['step_time_s_mean'] * 1e3:.1f} ms wall, "
+                    f"{report['step_cpu_s_mean'] * 1e3:.1f} ms CPU (flush denormal {flush})")
     print(summary, file=progress_out, flush=True)
     _write_json(report, args.json)
     return 0

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -109,11 +110,10 @@ def run_single(config: TrainConfig, corpus: Corpus, progress: Progress | None = 
     initial = ev(learner.model)
     curve = [[0, initial]]
     rounds = 0
-    step_time = 0.0
+    timer = StepTimer()
     while not learner.done:
-        t_step = time.perf_counter()
-        learner.step()
-        step_time += time.perf_counter() - t_step
+        with timer():
+            learner.step()
         if learner.inner_steps % config.inner_steps == 0 or learner.done:
             rounds += 1
             if rounds % config.eval_every == 0 or learner.done:
@@ -139,7 +139,7 @@ def run_single(config: TrainConfig, corpus: Corpus, progress: Progress | None = 
         t0,
         curve,
         inner_steps=learner.inner_steps,
-        step_time_s_mean=_mean_step(step_time, learner.inner_steps),
+        **timer.means(learner.inner_steps),
     )
 
 
@@ -162,21 +162,20 @@ def run_ddp(config: TrainConfig, corpus: Corpus, progress: Progress | None = Non
     tokens = steps = rounds = 0
     bytes_sent = 0
     budget = config.max_tokens
-    step_time = 0.0
+    timer = StepTimer()
     while steps < config.steps and not (budget and tokens >= budget):
-        t_step = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = inner_lr(config, steps)
-        batches = [s.next_batch() for s in streams]
-        x = torch.cat([b[0] for b in batches]).to(device)
-        y = torch.cat([b[1] for b in batches]).to(device)
-        with autocast(device, config.bf16):
-            loss = model.loss(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step_time += time.perf_counter() - t_step
+        with timer():
+            for g in opt.param_groups:
+                g["lr"] = inner_lr(config, steps)
+            batches = [s.next_batch() for s in streams]
+            x = torch.cat([b[0] for b in batches]).to(device)
+            y = torch.cat([b[1] for b in batches]).to(device)
+            with autocast(device, config.bf16):
+                loss = model.loss(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         steps += 1
         tokens += x.numel()
         bytes_sent += per_step_bytes
@@ -196,14 +195,31 @@ def run_ddp(config: TrainConfig, corpus: Corpus, progress: Progress | None = Non
     final = curve[-1][1] if curve[-1][0] == tokens else ev(model)
     return _report(
         config, "ddp", n_params, initial, final, tokens, steps, bytes_sent, t0, curve, inner_steps=steps,
-        step_time_s_mean=_mean_step(step_time, steps),
+        **timer.means(steps),
     )
 
 
-def _mean_step(total_s: float, steps: int) -> float | None:
-    """Seconds per inner step by mean over every step (the cycle's syncing steps included: a
-    median would hide them)."""
-    return total_s / steps if steps else None
+class StepTimer:
+    """Seconds spent in inner steps, wall clock and this thread's CPU time (the learners run on
+    the calling thread, one torch thread each by default; CPU time stays meaningful on a machine
+    that other work slows down), reported by mean over every step: a median would hide the
+    cycle's syncing steps."""
+
+    def __init__(self, wall_s: float = 0.0, cpu_s: float = 0.0) -> None:
+        self.wall_s, self.cpu_s = wall_s, cpu_s
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.wall_s += time.perf_counter() - wall
+            self.cpu_s += time.thread_time() - cpu
+
+    def means(self, steps: int) -> dict[str, float | None]:
+        return {"step_time_s_mean": self.wall_s / steps if steps else None,
+                "step_cpu_s_mean": self.cpu_s / steps if steps else None}
 
 
 def _emit(progress: Progress | None, **event: Any) -> None:
@@ -252,7 +268,7 @@ class LocalRun:
         self.curve: list[list[float]] = []
         self.merges = 0
         self.finish_merges = 0  # the finish's merges (after the budget), reported apart from outer steps
-        self.step_time_s = 0.0  # in learners' adoptions and inner steps (contributions included)
+        self.step_timer = StepTimer()  # learners' adoptions and inner steps (contributions included)
         self.wall_before = 0.0
         self._published: dict[int, bytes] = {}
         self._expected = [self.syncer.expected_shapes(p) for p in range(len(self.syncer.fragments))]
@@ -360,10 +376,9 @@ class LocalRun:
             for m in live:
                 if self.next_t[m] == t_next:
                     learner = self.learners[m]
-                    t_step = time.perf_counter()
-                    self._deliver(learner)
-                    learner.step()
-                    self.step_time_s += time.perf_counter() - t_step
+                    with self.step_timer():
+                        self._deliver(learner)
+                        learner.step()
                     self._send(learner.due_contributions())
                     self.next_t[m] += 1.0 / self.speeds[m]
             self._merge_due()
@@ -418,7 +433,7 @@ class LocalRun:
             virtual_time_s=self.clock.now(),
             speeds=self.speeds,
             inner_steps=[learner.inner_steps for learner in self.learners],
-            step_time_s_mean=_mean_step(self.step_time_s, sum(lr.inner_steps for lr in self.learners)),
+            **self.step_timer.means(sum(learner.inner_steps for learner in self.learners)),
         )
 
     def state_dict(self) -> dict:
@@ -438,7 +453,7 @@ class LocalRun:
             "finish_merges": self.finish_merges,
             "initial_val_loss": self.initial_val_loss,
             "wall_before": self.wall_before,
-            "step_time_s": self.step_time_s,
+            "step_time_s": [self.step_timer.wall_s, self.step_timer.cpu_s],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -459,7 +474,7 @@ class LocalRun:
         self.initial_val_loss = state["initial_val_loss"]
         self._evaluated_at = -1  # unknown: the finish evaluates the global it leaves
         self.wall_before = float(state["wall_before"])
-        self.step_time_s = float(state.get("step_time_s", 0.0))
+        self.step_timer = StepTimer(*map(float, state.get("step_time_s", (0.0, 0.0))))
         self._published = {}
 
 
