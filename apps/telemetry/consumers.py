@@ -579,14 +579,16 @@ class FleetConsumer(DashboardSocket):
     group = publish.FLEET_GROUP
 
     async def connect(self) -> None:
-        await self.accept()
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
+            await self.accept()  # close codes only reach the client after a handshake
             await self.fail(CLOSE_FORBIDDEN, "sign in to watch the fleet", "unauthorized")
             return
+        # groups first: whatever is published once the handshake is done reaches this socket
         await self.watch_access(user)
         self.joined = True
         await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
 
     async def disconnect(self, code) -> None:
         await super().disconnect(code)

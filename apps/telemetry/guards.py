@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import weakref
 from collections import deque
@@ -32,7 +33,17 @@ MAX_GATED_JOBS = 10_000
 
 
 def _setting(name: str, default: Any) -> Any:
-    return getattr(settings, name, default)
+    """A Django setting, else the environment variable of that name, else `default`."""
+    if hasattr(settings, name):
+        return getattr(settings, name)
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return type(default)(float(raw)) if isinstance(default, int) else type(default)(raw)
+    except ValueError:
+        log.warning("ignoring %s=%r (not a number); using %s", name, raw, default)
+        return default
 
 
 class TokenState:
