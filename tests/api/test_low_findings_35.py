@@ -159,3 +159,17 @@ def test_token_creation_is_throttled_per_user(alice, settings):
     r = page.post("/account/tokens/", {"action": "create", "name": "web"})
     assert "Too many new tokens" in r.content.decode()
     assert ApiToken.objects.filter(user=alice).count() == before
+
+
+def test_a_spec_with_many_unknown_keys_names_ten_and_counts_the_rest(as_alice):
+    """40,000 unknown spec keys were one pydantic error each (seconds of CPU); now the first ten
+    are named before pydantic runs, the rest counted."""
+    spec = {"name": "h", **{f"junk{i:05d}": 1 for i in range(40_000)}}
+    r = as_alice.post("/api/v1/jobs/", {"spec": spec}, format="json")
+    assert r.status_code == 400, r.content[:300]
+    errors = r.json()["errors"]
+    named = [k for k in errors if k.startswith("spec.junk")]
+    assert named == [f"spec.junk{i:05d}" for i in range(10)]
+    counted = errors.get("spec", errors.get("spec.non_field_errors", []))
+    assert any("39990 more unknown fields" in m for m in counted)
+    assert len(r.content) < 10_000
