@@ -504,7 +504,14 @@ class DashboardSocket(BaseSocket):
         if not force and now - self.access_checked < ACCESS_RECHECK_S:
             return True
         self.access_checked = now
-        ok = await database_sync_to_async(access_allowed)(self.session_key, self.user_pk, self.job_id)
+        try:
+            ok = await database_sync_to_async(access_allowed)(self.session_key, self.user_pk, self.job_id)
+        except Exception:
+            # The database is away: forward nothing until a check succeeds (the next message
+            # tries again), but do not close every dashboard over a blip.
+            log.warning("dashboard socket: access check failed", exc_info=True)
+            self.access_checked = 0.0
+            return False
         if not ok and not self.closing:
             STATS["dashboard_access_closes"] += 1
             await self.fail(CLOSE_FORBIDDEN, "access ended", "forbidden")
