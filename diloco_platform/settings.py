@@ -218,6 +218,11 @@ TELEMETRY_FLUSH_MAX_ITEMS = env.int("TELEMETRY_FLUSH_MAX_ITEMS", default=1000)
 TELEMETRY_SCOPE_TTL_S = env.float("TELEMETRY_SCOPE_TTL_S", default=2.0)
 TELEMETRY_ABUSE_LIMIT = env.int("TELEMETRY_ABUSE_LIMIT", default=20)
 TELEMETRY_MAX_ITEMS_PER_S = env.float("TELEMETRY_MAX_ITEMS_PER_S", default=5000)
+# What one pool token may do (apps/telemetry/guards.py; docs/telemetry.md, "Pool tokens are untrusted")
+TELEMETRY_MAX_BYTES_PER_S = env.float("TELEMETRY_MAX_BYTES_PER_S", default=256 * 1024)
+TELEMETRY_MAX_SOCKETS_PER_TOKEN = env.int("TELEMETRY_MAX_SOCKETS_PER_TOKEN", default=256)
+TELEMETRY_TOKEN_CHECK_S = env.float("TELEMETRY_TOKEN_CHECK_S", default=5.0)
+TELEMETRY_MAX_POOL_EVENTS_PER_MIN = env.int("TELEMETRY_MAX_POOL_EVENTS_PER_MIN", default=60)
 
 # PROMETHEUS (/metrics; docs/metrics.md). Off unless one is set; when both are, both must pass.
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")

@@ -44,7 +44,7 @@ def _shards(value) -> int:
 def spec_problem(syncer_shards: int) -> str | None:
     """Why a job with `syncer_shards` can never run here (None: it can): the submission's check
     (a 400 naming syncer_shards), asked again at placement in case SYNCER_SLOTS was lowered."""
-    from apps.jobs.services import syncer_shards_problem
+    from apps.jobs.spec import syncer_shards_problem
 
     return syncer_shards_problem(syncer_shards)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from diloco_platform.celery import RECONCILE_JOB, send
@@ -16,7 +15,7 @@ from diloco_platform.celery import RECONCILE_JOB, send
 from . import state as st
 from .access import team_error
 from .models import Event, Job
-from .spec import SpecError, validate_spec
+from .spec import validate_spec
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +33,6 @@ def _kick_coordinator(job_id: int) -> None:
     transaction.on_commit(kick)
 
 
-def syncer_shards_problem(shards: int) -> str | None:
-    """Why a job of `shards` syncer shards can never run here, or None. Each shard holds one of
-    the coordinator's settings.SYNCER_SLOTS syncer threads while the job runs
-    (apps.coordinator.capacity counts them at placement; this is the submission's side)."""
-    slots = max(1, int(getattr(settings, "SYNCER_SLOTS", 8) or 1))
-    if shards <= slots:
-        return None
-    return (f"{shards} syncer shards exceed the coordinator's {slots} syncer slots (SYNCER_SLOTS); "
-            f"ask for at most {slots}")
-
-
 def submit_job(owner, spec_data: Any, idempotency_key: str | None = None, team: str = "") -> tuple[Job, bool]:
     """Validate and create a job; returns (job, created). A repeated key returns the first job.
     A team must be one the owner belongs to (callers validate it first and say so per field)."""
@@ -52,9 +40,7 @@ def submit_job(owner, spec_data: Any, idempotency_key: str | None = None, team: 
         existing = Job.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
         if existing:
             return existing, False
-    spec = validate_spec(spec_data)
-    if problem := syncer_shards_problem(spec.syncer_shards):  # more than the coordinator can ever hold
-        raise SpecError({"syncer_shards": [problem]})
+    spec = validate_spec(spec_data)  # with the fleet's checks: islands, syncer capacity
     if error := team_error(owner, team):
         raise PermissionError(error)
     try:

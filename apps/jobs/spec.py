@@ -112,6 +112,17 @@ def island_problem(spec: JobSpec) -> str | None:
     return f"a learner needs {spec.devices_per_learner} devices on one node; {where}"
 
 
+def syncer_shards_problem(shards: int) -> str | None:
+    """Why a job of `shards` syncer shards can never run here, or None. Each shard holds one of
+    the coordinator's settings.SYNCER_SLOTS syncer threads while the job runs
+    (apps.coordinator.capacity counts them at placement; this is the submission's side)."""
+    slots = max(1, int(getattr(settings, "SYNCER_SLOTS", 8) or 1))
+    if shards <= slots:
+        return None
+    return (f"{shards} syncer shards exceed the coordinator's {slots} syncer slots (SYNCER_SLOTS); "
+            f"ask for at most {slots}")
+
+
 MAX_UNKNOWN_NAMED = 10
 
 
@@ -153,6 +164,9 @@ def validate_spec(data: Any, *, fleet: bool = True) -> JobSpec:
     island = island_problem(spec) if fleet else None
     if island:
         errors["devices_per_learner"] = [island]
+    shards = syncer_shards_problem(spec.syncer_shards) if fleet else None
+    if shards:  # more than the coordinator can ever hold
+        errors["syncer_shards"] = [shards]
     if errors:
         raise SpecError(errors)
     return spec

@@ -68,6 +68,8 @@ def test_more_syncer_shards_than_the_coordinator_holds_is_a_400(settings, alice)
     with pytest.raises(SpecError) as exc:  # the service is the authority (dashboard, CLI, demo)
         submit_job(alice, {**WIDE, "syncer_shards": 5})
     assert list(exc.value.errors) == ["syncer_shards"]
+    r = client.post("/api/v1/jobs/dry-run/", {"spec": {**WIDE, "syncer_shards": 5}}, format="json")
+    assert r.status_code == 400 and "spec.syncer_shards" in r.json()["errors"]  # the dry run says so too
     r = client.post("/api/v1/jobs/", {"spec": {**WIDE, "syncer_shards": 4}}, format="json")
     assert r.status_code == 201, r.content
 
