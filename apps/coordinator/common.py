@@ -1,10 +1,10 @@
 """Shared helpers of the coordinator: blob store, settings, engine objects, events."""
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
+from collections import OrderedDict
 
 from django.conf import settings
 from django.utils import timezone
@@ -75,12 +75,41 @@ def default_cache_dir() -> str:
     return os.environ.get("DILOCO_CACHE_DIR") or str(settings.BASE_DIR / "var" / "cache")
 
 
-@functools.lru_cache(maxsize=4)
-def corpus(source: str, cache_dir: str | None):
-    """The job's corpus; every file read must lie inside settings.DATA_ROOTS (symlinks resolved)."""
+_CORPORA: OrderedDict[tuple[str, str | None], object] = OrderedDict()  # the 4 latest, by use
+_CORPORA_LOCK = threading.Lock()
+
+
+def corpus(source: str, cache_dir: str | None, job_id: int | None = None):
+    """The job's corpus; every file read must lie inside settings.DATA_ROOTS (symlinks resolved).
+    Its file selection is bounded (trainer.data.resolve_files) and, given the job, ends as soon as
+    the job is cancelled or paused: a worker slot or syncer thread is never held for a job that
+    is gone. A failed load is not kept (the next try walks again, within the same bounds)."""
     from trainer.data import Corpus
 
-    return Corpus.load(source, cache_dir=cache_dir, roots=settings.DATA_ROOTS)
+    key = (source, cache_dir)
+    with _CORPORA_LOCK:
+        if key in _CORPORA:
+            _CORPORA.move_to_end(key)
+            return _CORPORA[key]
+    data = Corpus.load(source, cache_dir=cache_dir, roots=settings.DATA_ROOTS,
+                       should_stop=None if job_id is None else job_stopped(job_id))
+    with _CORPORA_LOCK:
+        _CORPORA[key] = data
+        while len(_CORPORA) > 4:
+            _CORPORA.popitem(last=False)
+    return data
+
+
+def job_stopped(job_id: int):
+    """A check that the job no longer wants its processes (cancelled, failed, pausing ...)."""
+    from apps.jobs import state as st
+    from apps.jobs.models import Job
+
+    def stopped() -> bool:
+        status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
+        return status is None or status not in (st.PLACING, st.RUNNING)
+
+    return stopped
 
 
 def event(job, kind: str, message: str, payload: dict | None = None, pool=None):

@@ -279,7 +279,7 @@ def _start(job, learner: Learner, index: int, incarnation: int, worker: str):
 
     spec = job_spec(job)
     config = train_config(job)
-    data = corpus(config.dataset, config.cache_dir)
+    data = corpus(config.dataset, config.cache_dir, job.pk)
     engine, followers = _engine(job, spec, config, data, index, incarnation)
     try:
         if learner.work_size:

@@ -179,7 +179,7 @@ class DjangoSyncerHost:
             self.eval_model = self._build_model()
         if state is not None:
             self.eval_model.load_state_dict(state, strict=False)
-        data = corpus(self.config.dataset, self.config.cache_dir)
+        data = corpus(self.config.dataset, self.config.cache_dir, self.job_id)
         loss = float(evaluate(self.eval_model, data, self.config.eval_batch_size or self.config.batch_size,
                               self.config.seq_len, batches=self.config.eval_batches, seed=0))
         self._metric("val_loss", loss, step)
@@ -188,7 +188,7 @@ class DjangoSyncerHost:
     def _build_model(self):
         from trainer.models import build_model
 
-        data = corpus(self.config.dataset, self.config.cache_dir)
+        data = corpus(self.config.dataset, self.config.cache_dir, self.job_id)
         return build_model(self.config.model, seq_len=self.config.seq_len, seed=self.config.seed,
                            vocab_size=data.vocab_size)
 
