@@ -47,10 +47,8 @@ class AuthUsernameThrottle(_LiveRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": ident}
 
 
-class JobCreateThrottle(_LiveRateThrottle):
-    """Job submissions per user (dry runs included)."""
-
-    scope = "job_create"
+class _PerUserPostThrottle(_LiveRateThrottle):
+    """POSTs per signed-in user (per address when anonymous); other methods are free."""
 
     def allow_request(self, request, view):
         if request.method != "POST":
@@ -62,7 +60,13 @@ class JobCreateThrottle(_LiveRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": ident}
 
 
-class TokenCreateThrottle(_LiveRateThrottle):
+class JobCreateThrottle(_PerUserPostThrottle):
+    """Job submissions per user (dry runs included)."""
+
+    scope = "job_create"
+
+
+class TokenCreateThrottle(_PerUserPostThrottle):
     """New API tokens per signed-in user (POST /api/v1/auth/tokens/ and the dashboard's tokens
     page). Rate: DEFAULT_THROTTLE_RATES["token_create"], else API_THROTTLE_TOKEN_CREATE from the
     environment, else TOKEN_CREATE_RATE."""
@@ -71,15 +75,6 @@ class TokenCreateThrottle(_LiveRateThrottle):
 
     def get_rate(self):
         return super().get_rate() or os.environ.get("API_THROTTLE_TOKEN_CREATE") or TOKEN_CREATE_RATE
-
-    def allow_request(self, request, view):
-        if request.method != "POST":
-            return True
-        return super().allow_request(request, view)
-
-    def get_cache_key(self, request, view):
-        ident = request.user.pk if request.user and request.user.is_authenticated else self.get_ident(request)
-        return self.cache_format % {"scope": self.scope, "ident": ident}
 
 
 TOKEN_CREATE_RATE = "60/minute"  # noqa: S105 (a rate, not a secret)
