@@ -232,7 +232,7 @@ def _ensure_syncer_shard(job: Job, shard: int, shards: int) -> None:
         lease, _created = SyncerLease.objects.select_for_update().get_or_create(job=job, shard=shard)
         if lease.finished:
             return
-        if lease.last_heartbeat and lease.last_heartbeat >= now() - timedelta(seconds=syncer_timeout()):
+        if lease.last_heartbeat and lease.last_heartbeat >= now() - timedelta(seconds=_syncer_grace(lease)):
             return
         lost = lease.last_heartbeat is not None and lease.worker not in ("", "dispatched")
         lease.epoch += 1
@@ -251,6 +251,16 @@ def _ensure_syncer_shard(job: Job, shard: int, shards: int) -> None:
     if lost:
         event(job, Event.Kind.FAILED, f"{name} lost; restarting from commit {lease.commits} (epoch {epoch})",
               {"epoch": epoch, "commits": lease.commits, "shard": shard})
+
+
+def _syncer_grace(lease: SyncerLease) -> float:
+    """Seconds of silence after which a syncer is lost: its heartbeat timeout, or while it starts
+    (no commit yet, started within the learners' start timeout) that start timeout. A fresh
+    syncer worker building its first job's engine on a busy host went quiet for 3-4 s though its
+    pulse thread stamps every 0.5 s, and was restarted for nothing (the browser test's stack)."""
+    starting = lease.commits == 0 and lease.started_at is not None \
+        and lease.started_at >= now() - timedelta(seconds=start_timeout())
+    return max(syncer_timeout(), start_timeout()) if starting else syncer_timeout()
 
 
 def settle_pause(job: Job) -> str:

@@ -25,6 +25,16 @@ SPEC = {"name": "markers", "model": "tiny", "learners": 2, "quorum": 1, "inner_s
         "checkpoint_interval": 6, "grace_cap_s": 0.5, "seed": 1}
 
 
+def _wait_until(page, expression: str, timeout_s: float) -> None:
+    """Poll a JavaScript expression from here. Playwright's wait_for_function evals its predicate
+    inside the page, which the dashboard's Content-Security-Policy (no 'unsafe-eval') refuses;
+    page.evaluate runs through the DevTools protocol, outside the page's policy."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {timeout_s} s: {expression}"
+        page.wait_for_timeout(100)
+
+
 def _watch_console(page) -> list[str]:
     errors: list[str] = []
     page.on("console", lambda m: errors.append(f"console.error: {m.text}") if m.type == "error" else None)
@@ -66,8 +76,7 @@ def test_live_chart_grows_and_an_incident_marker_appears_after_a_kill(page, stac
     # the loss chart grows from points pushed over the websocket, without a reload
     expect(page.locator("#live-points")).not_to_have_text("0", timeout=60_000)
     first = _points(page, "chart-loss-tokens")
-    page.wait_for_function(f"Number(document.getElementById('chart-loss-tokens').dataset.points) > {first}",
-                           timeout=60_000)
+    _wait_until(page, f"Number(document.getElementById('chart-loss-tokens').dataset.points) > {first}", 60)
 
     # every text the legend's incident key shows, recorded as it is shown: on a fast machine the
     # learner moves and heals within seconds, so "(1 open)" may be gone before it could be read
@@ -92,8 +101,7 @@ def test_live_chart_grows_and_an_incident_marker_appears_after_a_kill(page, stac
     tip = marker.get_attribute("data-tip")
     assert re.search(rf"incident: .*learner {victim.index}\.", tip), tip
     expect(page.locator("#chart-loss-tokens .marker.kind-incident")).not_to_have_count(0)
-    page.wait_for_function("window.__incidentLegend.some((t) => t.includes('1 incident (1 open)'))",
-                           timeout=10_000)
+    _wait_until(page, "window.__incidentLegend.some((t) => t.includes('1 incident (1 open)'))", 10)
     expect(page.locator("#marker-legend .kind-incident")).to_contain_text("1 incident")
     # keyboard focus (or the pointer) shows the tooltip: the CSS reads data-tip
     marker.focus()
