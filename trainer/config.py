@@ -140,8 +140,8 @@ class TrainConfig:
     tokenizer: str | None = None      # path to a local tokenizer.json (needs `tokenizers`)
     max_payload_bytes: int | None = None
     threads: int | None = 1           # torch.set_num_threads for learners (None: leave as is)
-    # CPU learners and syncer flush subnormal floats to zero (torch.set_flush_denormal): weights that
-    # drift into them cost about twice the time per inner step (docs/benchmarks.md, "Subnormals")
+    # CPU learners and syncer flush subnormal floats to zero (torch.set_flush_denormal): on CPUs that
+    # trap on them, weights that drift there cost up to twice the time per step (docs/benchmarks.md)
     flush_denormal: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -201,10 +201,11 @@ def model_flops_per_token(name: str, seq_len: int = 64) -> float:
 
 
 def set_flush_denormal(device: torch.device, enabled: bool = True) -> bool:
-    """Flush subnormal floats to zero on the CPU (x86 with SSE3, arm64), process-wide: a weight or
-    moment that decays into the subnormal range makes every op touching it tens of times slower,
-    and their values are below anything fp32 training resolves. Returns whether it took effect
-    (False on other devices, where the CPU does not run the model, or where unsupported)."""
+    """Flush subnormal floats to zero on the CPU (x86 with SSE3, arm64), process-wide: on CPUs that
+    handle them in microcode a weight or moment in the subnormal range slows every op touching it
+    (issue 41 measured 106 against 58 ms per inner step; this project's AMD EPYC shows no cost:
+    docs/benchmarks.md, "Subnormals"), and their values are below anything fp32 training resolves.
+    Returns whether it took effect (False on other devices, or where unsupported)."""
     if device.type != "cpu":
         return False
     return bool(torch.set_flush_denormal(enabled)) and enabled
