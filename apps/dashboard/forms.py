@@ -6,6 +6,7 @@ so the dashboard shows the same messages as the API and the CLI, each under its 
 """
 from __future__ import annotations
 
+import math
 import types
 import typing
 from datetime import datetime, timedelta
@@ -53,6 +54,16 @@ def _label(name: str) -> str:
     return text[:1].upper() + text[1:] + unit
 
 
+def _inside(bound, typ: Any, up: bool):
+    """The inclusive HTML `min` (up) or `max` for pydantic's exclusive `gt` / `lt` bound: the next
+    integer inside it for an int field, the next double inside it for a float field (HTML compares
+    doubles, so `max` 0.9999999999999999 refuses 1.0 and nothing below it). The schema still
+    validates on the server."""
+    if typ is int:
+        return int(bound) + 1 if up else int(bound) - 1
+    return repr(math.nextafter(float(bound), math.inf if up else -math.inf))
+
+
 def _field_for(name: str, info, pools: list[Pool]) -> forms.Field:
     typ, optional = _unwrap(info.annotation)
     default = info.get_default(call_default_factory=True)
@@ -61,11 +72,11 @@ def _field_for(name: str, info, pools: list[Pool]) -> forms.Field:
         if isinstance(m, Ge):
             attrs["min"] = m.ge
         elif isinstance(m, Gt):
-            attrs["min"] = m.gt
+            attrs["min"] = _inside(m.gt, typ, up=True)
         elif isinstance(m, Le):
             attrs["max"] = m.le
         elif isinstance(m, Lt):
-            attrs["max"] = m.lt
+            attrs["max"] = _inside(m.lt, typ, up=False)
         elif isinstance(m, MaxLen) and typ is str:
             attrs["maxlength"] = m.max_length
     common = {"label": _label(name), "help_text": info.description or "", "required": False}

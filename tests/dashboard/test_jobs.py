@@ -37,6 +37,48 @@ def test_form_has_every_schema_field(client, alice, fleet):
     assert 'name="learners" value="4"' in body or 'value="4"' in body
 
 
+def _input_attrs(body: str, name: str) -> dict[str, str]:
+    import re
+
+    tag = re.search(rf'<input[^>]*name="{name}"[^>]*>', body).group(0)
+    return dict(re.findall(r'(\w+)="([^"]*)"', tag))
+
+
+def test_exclusive_bounds_are_not_inclusive_html_bounds():
+    """pydantic's lt / gt exclude the bound, HTML's max / min include it: the form emits the
+    nearest value inside the bound (an int: bound -/+ 1; a float: the next double)."""
+    import math
+
+    from pydantic import BaseModel, Field
+
+    from apps.dashboard.forms import _field_for
+
+    class Spec(BaseModel):
+        count: int = Field(5, gt=0, lt=10)
+        ratio: float = Field(0.5, gt=0, lt=1.0)
+        share: float | None = Field(None, ge=0, le=1.0)
+
+    attrs = {name: _field_for(name, info, []).widget.attrs for name, info in Spec.model_fields.items()}
+    assert (attrs["count"]["min"], attrs["count"]["max"]) == (1, 9)
+    lo, hi = float(attrs["ratio"]["min"]), float(attrs["ratio"]["max"])
+    assert lo > 0 and hi < 1.0 and hi == math.nextafter(1.0, 0) and lo == math.nextafter(0.0, 1)
+    assert (attrs["share"]["min"], attrs["share"]["max"]) == (0, 1.0)  # inclusive stays as it is
+
+
+@pytest.mark.django_db
+def test_form_bounds_follow_the_schema(client, alice, fleet):
+    """outer_momentum is `ge=0, lt=1.0` and outer_lr `gt=0`: the page never offers the excluded
+    bound, and a posted 1.0 is refused on the server under its field."""
+    client.force_login(alice)
+    body = client.get("/jobs/new").content.decode()
+    momentum, lr = _input_attrs(body, "outer_momentum"), _input_attrs(body, "outer_lr")
+    assert float(momentum["min"]) == 0 and float(momentum["max"]) < 1.0, momentum
+    assert float(lr["min"]) > 0, lr
+    resp = client.post("/jobs/new", _form(outer_momentum="1.0", action="submit"))
+    assert resp.status_code == 200 and "outer_momentum" in resp.context["form"].errors
+    assert Job.objects.count() == 0
+
+
 def _form(**over):
     from trainer.spec import JobSpec
 
