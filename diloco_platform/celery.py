@@ -41,6 +41,7 @@ app.conf.beat_schedule = {
 RECONCILE_JOB = "apps.coordinator.tasks.reconcile_job"
 RUN_LEARNER = "apps.coordinator.tasks.run_learner"
 RUN_SYNCER = "apps.coordinator.tasks.run_syncer"
+RUN_ISLAND_RANKS = "apps.coordinator.tasks.run_island_ranks"
 
 
 def send(name: str, *args: object, queue: str | None = None):
@@ -51,3 +52,9 @@ def send(name: str, *args: object, queue: str | None = None):
 def pool_queue(slug: str) -> str:
     """Name of the Celery queue served by the workers of a pool."""
     return f"pool.{slug}"
+
+
+def node_queue(slug: str, worker: str) -> str:
+    """Name of the queue only worker `worker` of pool `slug` consumes (apps.inventory.worker adds it):
+    the ranks of a learner island over several nodes go to the nodes placement chose."""
+    return f"pool.{slug}.node.{worker}"

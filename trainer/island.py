@@ -1,4 +1,4 @@
-"""Learner islands: one learner on several devices of a node, data-parallel inside.
+"""Learner islands: one learner on several devices (of one node, or of several), data-parallel inside.
 
 A learner with `devices_per_learner` W > 1 runs as W processes in one torch.distributed
 process group (`gloo` on CPU, `nccl` on CUDA). Every rank holds the same engine `Learner`;
@@ -251,13 +251,14 @@ class IslandLearner(Learner):
 
 
 def init_rank(rank: int, world: int, *, port: int | None = None, store=None, device: str = "cpu",
-              timeout_s: float | None = None) -> None:
-    """Join the world: rank 0 passes the TCPStore it hosts, the others its port on 127.0.0.1."""
+              timeout_s: float | None = None, host: str = "127.0.0.1") -> None:
+    """Join the world: rank 0 passes the TCPStore it hosts, the others its host and port (the
+    leader's node address; 127.0.0.1 on the leader's own node)."""
     backend = backend_for(torch.device(device))
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
     if store is None:
-        store = dist.TCPStore("127.0.0.1", int(port), world, is_master=False, timeout=timeout(timeout_s))
+        store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout(timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout(timeout_s))
 
 

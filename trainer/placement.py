@@ -6,6 +6,8 @@ inventory, the simulator calls it with pools built from the catalogue.
 Model of a learner on a pool:
 - devices per learner d = ceil(model_memory_gib / (0.9 * device memory)), at least 1
   (unless `devices_per_learner` is given): the learner's model shards over d devices;
+  with `nodes_per_learner` n > 1 the d devices are d/n on each of n distinct live nodes of
+  the pool (free slots per node, `island_nodes`), else the pool's free devices count;
 - throughput v = measured tokens/s of that pool if known, else
   d * peak TFLOP/s * MFU * speed_factor / FLOPs per token;
 - per outer cycle of H inner steps a learner sends and receives every fragment once:
@@ -90,6 +92,9 @@ class PoolInfo:
     state: str = "active"
     mfu: float = 0.4
     idle_watts_per_device: float | None = None
+    # free device slots of each live node (worker name -> slots), when known: an island over several
+    # nodes needs that many distinct nodes with its per-node share free on each (`island_nodes`)
+    nodes_free: dict[str, int] | None = None
 
 
 @dataclass
@@ -103,6 +108,7 @@ class Placement:
     est_cost: float
     devices_per_learner: dict[str, int] = field(default_factory=dict)
     tokens_per_s: dict[str, float] = field(default_factory=dict)
+    nodes: dict[int, list[str]] = field(default_factory=dict)  # learner -> its island's nodes, rank 0's first
 
     @property
     def pools_used(self) -> list[str]:
@@ -142,6 +148,29 @@ def choose_wire(
     return "int4", cycle_bytes(fragment_bytes, fragments, "int4") / bw + lat
 
 
+def island_nodes(nodes_free: Mapping[str, int], nodes: int, per_node: int) -> list[str] | None:
+    """The nodes of one island over `nodes` nodes: those with the most free slots (ties by name),
+    each with at least `per_node` free; None when fewer nodes have room. Rank 0 goes to the first.
+    Taking the fullest nodes first is also what packs the most islands (`islands_that_fit`)."""
+    fit = sorted((n for n, f in nodes_free.items() if f >= per_node), key=lambda n: (-nodes_free[n], n))
+    return fit[:nodes] if len(fit) >= nodes else None
+
+
+def reserve_nodes(nodes_free: Mapping[str, int], chosen: list[str], per_node: int) -> dict[str, int]:
+    """`nodes_free` after one island took `per_node` slots on each of `chosen`."""
+    return {n: f - (per_node if n in chosen else 0) for n, f in nodes_free.items()}
+
+
+def islands_that_fit(nodes_free: Mapping[str, int], nodes: int, per_node: int) -> int:
+    """How many islands of `nodes` x `per_node` the nodes hold (islands placed one by one by
+    `island_nodes`, so the count is the one dispatch reaches)."""
+    free, count = dict(nodes_free), 0
+    while (chosen := island_nodes(free, nodes, per_node)) is not None:
+        free = reserve_nodes(free, chosen, per_node)
+        count += 1
+    return count
+
+
 @dataclass
 class _Slot:
     pool: PoolInfo
@@ -150,6 +179,17 @@ class _Slot:
     wire: str
     joules_per_token: float
     dollars_per_token: float
+    capacity: int = 0  # learners of this shape the pool holds now
+    nodes: int = 1  # nodes per learner
+
+
+def _capacity(pool: PoolInfo, devices: int, nodes: int) -> int:
+    """Learners of `devices` over `nodes` nodes that fit on `pool`: its free devices for one-node
+    learners (the pool's count, as ever), its nodes' free slots for islands over several nodes."""
+    if nodes <= 1:
+        return pool.devices_free // devices
+    islands = islands_that_fit(pool.nodes_free or {}, nodes, devices // nodes)
+    return min(islands, pool.devices_free // devices)
 
 
 def _slots(
@@ -161,6 +201,7 @@ def _slots(
     fragment_bytes,
     fragments,
     devices_per_learner,
+    nodes_per_learner=1,
 ):
     out, reasons = [], []
     for pool in pools:
@@ -174,6 +215,11 @@ def _slots(
         if pool.devices_free < d:
             reasons.append(f"{pool.slug}: skipped, {pool.devices_free} free device(s), a learner needs {d}")
             continue
+        capacity = _capacity(pool, d, nodes_per_learner)
+        if capacity < 1:
+            reasons.append(f"{pool.slug}: skipped, a learner needs {nodes_per_learner} live nodes with "
+                           f"{d // nodes_per_learner} free device(s) each")
+            continue
         v = learner_tokens_per_s(pool, d, model_flops_per_token)
         if v <= 0:
             continue
@@ -181,20 +227,19 @@ def _slots(
         wire, comm = choose_wire(pool, compute_cycle, fragment_bytes, fragments)
         if comm > compute_cycle:  # the link cannot keep up even at int4: the learner runs at link speed
             v = v * compute_cycle / comm
-        out.append(
-            _Slot(pool, d, v, wire, d * pool.watts_per_device / v, d * pool.cost_per_device_hour / 3600 / v)
-        )
+        out.append(_Slot(pool, d, v, wire, d * pool.watts_per_device / v,
+                         d * pool.cost_per_device_hour / 3600 / v, capacity, nodes_per_learner))
     return out, reasons
 
 
 def _fill(slots: list[_Slot], learners: int, key) -> list[_Slot] | None:
-    free = {s.pool.slug: s.pool.devices_free for s in slots}
+    free = {s.pool.slug: s.capacity for s in slots}
     order = sorted(slots, key=key)
     chosen: list[_Slot] = []
     for _ in range(learners):
         for s in order:
-            if free[s.pool.slug] >= s.devices:
-                free[s.pool.slug] -= s.devices
+            if free[s.pool.slug] >= 1:
+                free[s.pool.slug] -= 1
                 chosen.append(s)
                 break
         else:
@@ -225,11 +270,11 @@ def _improve(
     for _ in range(4 * len(chosen) * max(1, len(slots))):
         used: dict[str, int] = {}
         for c in chosen:
-            used[c.pool.slug] = used.get(c.pool.slug, 0) + c.devices
+            used[c.pool.slug] = used.get(c.pool.slug, 0) + 1
         best = None
         for k, old in enumerate(chosen):
             for s in slots:
-                if s.pool.slug == old.pool.slug or s.pool.devices_free - used.get(s.pool.slug, 0) < s.devices:
+                if s.pool.slug == old.pool.slug or s.capacity - used.get(s.pool.slug, 0) < 1:
                     continue
                 trial = chosen[:k] + [s] + chosen[k + 1 :]
                 t, v = score(trial)
@@ -245,6 +290,20 @@ def _improve(
     return chosen
 
 
+def _check(learners, objective, flops, tokens, steps, fragment_bytes, time_slack, devices, nodes) -> None:
+    """`place`'s arguments, or PlacementError."""
+    if objective not in OBJECTIVES:
+        raise PlacementError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+    if learners < 1:
+        raise PlacementError("learners must be at least 1")
+    if flops <= 0 or tokens <= 0 or steps < 1 or fragment_bytes < 0:
+        raise PlacementError("model_flops_per_token, tokens_per_learner, base_inner_steps must be positive")
+    if not 0 <= time_slack <= 10:
+        raise PlacementError("time_slack must lie in [0, 10]")
+    if nodes > 1 and (not devices or devices % nodes):
+        raise PlacementError("nodes_per_learner must divide devices_per_learner")
+
+
 def place(
     learners: int,
     pools: list[PoolInfo],
@@ -258,21 +317,18 @@ def place(
     fragments: int = 1,
     tokens_per_step: int | None = None,
     devices_per_learner: int | None = None,
+    nodes_per_learner: int = 1,
     time_slack: float = 0.10,
 ) -> Placement:
     """Place `learners` learners on `pools` for `objective`; raises PlacementError when nothing fits.
 
     `tokens_per_step` (one learner's tokens per inner step) sets the cycle length used to
     pick the wire dtype; by default a cycle is assumed to last 1/100 of the learner's work.
+    `nodes_per_learner` > 1 (with `devices_per_learner`) spreads each learner over that many
+    distinct nodes of its pool (`PoolInfo.nodes_free`); `Placement.nodes` names them.
     """
-    if objective not in OBJECTIVES:
-        raise PlacementError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
-    if learners < 1:
-        raise PlacementError("learners must be at least 1")
-    if model_flops_per_token <= 0 or tokens_per_learner <= 0 or base_inner_steps < 1 or fragment_bytes < 0:
-        raise PlacementError("model_flops_per_token, tokens_per_learner, base_inner_steps must be positive")
-    if not 0 <= time_slack <= 10:
-        raise PlacementError("time_slack must lie in [0, 10]")
+    _check(learners, objective, model_flops_per_token, tokens_per_learner, base_inner_steps, fragment_bytes,
+           time_slack, devices_per_learner, nodes_per_learner)
     if tokens_per_step is None:
         tokens_per_step = max(1, tokens_per_learner // (100 * base_inner_steps))
     slots, reasons = _slots(
@@ -284,6 +340,7 @@ def place(
         fragment_bytes,
         fragments,
         devices_per_learner,
+        nodes_per_learner,
     )
     if not slots:
         raise PlacementError("no pool can host a learner: " + ("; ".join(reasons) or "no pools given"))
@@ -291,7 +348,7 @@ def place(
 
     fastest = _fill(slots, learners, key=lambda s: -s.v)
     if fastest is None:
-        cap = sum(s.pool.devices_free // s.devices for s in slots)
+        cap = sum(s.capacity for s in slots)
         raise PlacementError(f"only {cap} learner slot(s) free across pools, {learners} requested")
     t_best, _, _ = _estimate(fastest, total_tokens)
     chosen = fastest
@@ -333,7 +390,24 @@ def place(
             f"{slug}: {n} learner(s) x {dev[slug]} device(s), ~{tps[slug]:.3g} tok/s each, "
             f"H={work[slug]}, wire {wire[slug]}"
         )
-    return Placement(assignments, work, wire, reasons, t, e, c, dev, tps)
+    return Placement(assignments, work, wire, reasons, t, e, c, dev, tps, _assign_nodes(chosen))
+
+
+def _assign_nodes(chosen: list[_Slot]) -> dict[int, list[str]]:
+    """The nodes of each island over several nodes, in learner order: what dispatch picks when it
+    sends them one by one on today's free slots (`island_nodes`)."""
+    free = {s.pool.slug: dict(s.pool.nodes_free or {}) for s in chosen if s.nodes > 1}
+    out: dict[int, list[str]] = {}
+    for i, s in enumerate(chosen):
+        if s.nodes <= 1:
+            continue
+        per_node = s.devices // s.nodes
+        nodes = island_nodes(free[s.pool.slug], s.nodes, per_node)
+        if nodes is None:  # cannot happen within `capacity`; a learner without nodes is placed at dispatch
+            continue
+        free[s.pool.slug] = reserve_nodes(free[s.pool.slug], nodes, per_node)
+        out[i] = nodes
+    return out
 
 
 def free_slots(capacity: Mapping[str, int], busy: Mapping[str, int]) -> dict[str, int]:
@@ -370,16 +444,18 @@ def place_spec(
     A learner's work is its share of the job's token budget; its cycle is `inner_steps` steps of
     batch x sequence tokens; a compression the spec names wins over the link-fitted wire dtype.
     A learner island (`devices_per_learner` > 1) takes that many devices; one device otherwise
-    unless the model needs more.
+    unless the model needs more. An island over `nodes_per_learner` > 1 nodes takes its share of
+    devices on each of that many distinct nodes of one pool (`island_nodes`).
     """
     island = getattr(spec, "devices_per_learner", 1) or 1
+    nodes = getattr(spec, "nodes_per_learner", 1) or 1
     plan = place(
         spec.learners if learners is None else learners, pools, spec.objective,
         model_memory_gib=figures.memory_gib, model_flops_per_token=figures.flops_per_token,
         tokens_per_learner=max(1, spec.total_tokens // spec.learners), base_inner_steps=spec.inner_steps,
         fragment_bytes=figures.fragment_bytes, fragments=spec.fragments,
         tokens_per_step=spec.batch_size * spec.seq_len,
-        devices_per_learner=island if island > 1 else None,
+        devices_per_learner=island if island > 1 else None, nodes_per_learner=nodes,
     )
     if spec.compression != "none":
         plan.wire_dtype = dict.fromkeys(plan.wire_dtype, spec.compression)

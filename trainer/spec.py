@@ -42,6 +42,9 @@ FragmentMode = Literal["balanced", "strided"]
 # hold at most MAX_GLOB_STARS recursive `**` segments, a dataset at most MAX_SOURCES sources.
 MAX_GLOB_STARS = 2
 MAX_SOURCES = 64
+# Nodes one learner's island may span: each adds a rank-0 broadcast hop and a node whose loss fails the
+# whole learner, so more than a few is a data-parallel job that should be several learners instead.
+MAX_NODES_PER_LEARNER = 16
 GLOB_CHARS = "*?["
 
 
@@ -157,8 +160,13 @@ class JobSpec(BaseModel):
     grace_cap_s: float = Field(_D["grace_cap_s"], ge=0, le=3600)
     pools: list[str] = Field(default_factory=list, max_length=64, description="restrict placement")
     devices_per_learner: int = Field(
-        1, ge=1, le=64, description="devices (processes) of one learner, all on one node: an island "
-        "training data-parallel inside (trainer.island)")
+        1, ge=1, le=64, description="devices (processes) of one learner: an island training data-parallel "
+        "inside (trainer.island), on one node unless nodes_per_learner says more")
+    nodes_per_learner: int = Field(
+        1, ge=1, le=MAX_NODES_PER_LEARNER,
+        description="nodes one learner's island spans (devices_per_learner / nodes_per_learner processes on "
+        "each; must divide devices_per_learner): ranks meet at rank 0's node address over torch.distributed "
+        "(gloo on CPU, nccl on CUDA); placement needs that many distinct live nodes of one pool")
     inner_parallelism: InnerParallelism = Field(
         "ddp", description="how an island's devices share the inner steps: ddp (replicas) or fsdp "
         "(FSDP2: each device holds a shard of the weights and moments)")
@@ -229,6 +237,9 @@ class JobSpec(BaseModel):
         if self.batch_size % self.devices_per_learner:
             raise ValueError("devices_per_learner: must divide batch_size (each device reads its share "
                              "of the learner's batch)")
+        if self.devices_per_learner % self.nodes_per_learner:
+            raise ValueError("nodes_per_learner: must divide devices_per_learner (each node runs the same "
+                             "number of the island's processes)")
         muon_fsdp = (self.inner_optimizer, self.inner_parallelism) == ("muon", "fsdp")
         if muon_fsdp and self.devices_per_learner > 1:
             raise ValueError("inner_optimizer: muon orthogonalises whole matrices, and fsdp islands hold "

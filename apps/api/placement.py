@@ -46,7 +46,8 @@ def preview(spec: JobSpec) -> dict[str, Any]:
     out.update(
         feasible=not problems,
         learners=[{"index": i, "pool": slug, "work_size": p.work_sizes[slug],
-                   "wire_dtype": p.wire_dtype[slug], "devices": p.devices_per_learner.get(slug, 1)}
+                   "wire_dtype": p.wire_dtype[slug], "devices": p.devices_per_learner.get(slug, 1),
+                   **({"nodes": p.nodes[i]} if i in p.nodes else {})}
                   for i, slug in p.assignments],
         work_sizes=p.work_sizes,
         wire_dtype=p.wire_dtype,

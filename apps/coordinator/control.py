@@ -36,8 +36,10 @@ from .dispatch import (
     dispatch,
     figures,
     free_slots,
+    island_placement,
     mark_node_lost,
     model_figures,
+    nodes_free,
     place_job,
     pool_infos,
 )
@@ -83,7 +85,8 @@ def _never_fits(job: Job, spec) -> str | None:
     from trainer.placement import PlacementError, place_spec
 
     everything = dict(Pool.objects.values_list("slug", "device_count"))
-    infos = [dataclasses.replace(i, state="active") for i in pool_infos(spec, job, everything)]
+    nodes = nodes_free(empty=True) if spec.nodes_per_learner > 1 else None
+    infos = [dataclasses.replace(i, state="active") for i in pool_infos(spec, job, everything, nodes)]
     if not infos:
         return None  # no pool yet: the job waits for the operator to add one
     try:
@@ -191,7 +194,8 @@ def dispatch_pending(job: Job) -> int:
         if rt is not None and rt.retry_after is not None and rt.retry_after > t:
             continue  # backing off after failed starts
         target = rt.move_to if rt is not None and rt.move_to_id else None
-        if target is not None and free_slots(exclude_learner=learner).get(target.slug, 0) <= 0:
+        if target is not None and (free_slots(exclude_learner=learner).get(target.slug, 0) <= 0
+                                   or island_placement(learner, target) is None):
             target = None
         if target is None:
             off = learner.pool_id and learner.pool.state != Pool.State.ACTIVE

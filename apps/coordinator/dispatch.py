@@ -5,6 +5,11 @@ seen within the node timeout and was not declared lost), or the pool's device_co
 node of it has registered yet. Slots in use = learners of any job that are starting or
 running there. `plan` is the one placement of a spec: place_job makes it, the dry run
 (apps.api.placement) shows it.
+
+A learner island over several nodes (`nodes_per_learner` N > 1) also needs N distinct live
+nodes of its pool with W/N free slots each (`nodes_free`, trainer.placement.island_nodes):
+dispatch reserves them (LearnerRuntime.island_nodes) and sends rank 0's task to the first
+node's own queue (`pool.<slug>.node.<worker>`); rank 0 starts the other nodes' ranks.
 """
 from __future__ import annotations
 
@@ -64,10 +69,50 @@ def _island_devices(busy: dict[str, int], exclude_learner: Learner | None) -> di
     return out
 
 
-def pool_infos(spec: JobSpec, job: Job | None = None, free: dict[str, int] | None = None) -> list[PoolInfo]:
-    """The pools `spec` may use as trainer.placement sees them: today's free slots (or `free`) and,
-    once `job` runs, its measured throughput. The dry run and the coordinator both read this."""
+def _shape(data) -> tuple[int, int]:
+    """(devices, nodes) of one learner of a stored spec."""
+    spec = stored_spec(data)
+    return (spec.devices_per_learner, spec.nodes_per_learner) if spec else (1, 1)
+
+
+def nodes_free(slugs: list[str] | None = None, exclude_learner: Learner | None = None,
+               empty: bool = False) -> dict[str, dict[str, int]]:
+    """Free slots of each live node (worker name), per pool: its registered slots less those of the
+    busy learners on it (an island over N nodes holds W/N on each node it reserved; any other busy
+    learner W on the node that runs it). `empty`: every registered, not lost node as if idle (the
+    fleet a job could ever have)."""
+    qs = Node.objects.filter(pool__state=Pool.State.ACTIVE)
+    if empty:
+        qs = qs.exclude(state=Node.State.LOST)
+    else:
+        qs = qs.filter(state=Node.State.ONLINE, last_seen__gte=now() - timedelta(seconds=node_timeout()))
+    if slugs is not None:
+        qs = qs.filter(pool__slug__in=slugs)
+    out: dict[str, dict[str, int]] = {}
+    for slug, worker, slots in qs.values_list("pool__slug", "worker_name", "device_count"):
+        out.setdefault(slug, {})[worker] = int(slots)
+    if empty:
+        return out
+    rows = Learner.objects.filter(state__in=BUSY, pool__slug__in=list(out)) \
+        .exclude(pk=exclude_learner.pk if exclude_learner else None) \
+        .values_list("pool__slug", "node__worker_name", "runtime__island_nodes", "job__spec")
+    for slug, worker, island, data in rows:
+        devices, _ = _shape(data)
+        held = {n: devices // len(island) for n in island} if island else {worker: devices} if worker else {}
+        for n, k in held.items():
+            if n in out[slug]:
+                out[slug][n] = max(0, out[slug][n] - k)
+    return out
+
+
+def pool_infos(spec: JobSpec, job: Job | None = None, free: dict[str, int] | None = None,
+               nodes: dict[str, dict[str, int]] | None = None) -> list[PoolInfo]:
+    """The pools `spec` may use as trainer.placement sees them: today's free slots (or `free`), the
+    free slots of their nodes for islands over several nodes (or `nodes`) and, once `job` runs, its
+    measured throughput. The dry run and the coordinator both read this."""
     free = free_slots() if free is None else free
+    if nodes is None and spec.nodes_per_learner > 1:
+        nodes = nodes_free(spec.pools or None)
     measured = measured_throughput(job) if job is not None else {}
     qs = Pool.objects.select_related("accelerator").order_by("slug")
     if spec.pools:
@@ -80,6 +125,7 @@ def pool_infos(spec: JobSpec, job: Job | None = None, free: dict[str, int] | Non
             cost_per_device_hour=float(p.cost_per_device_hour), devices_free=free.get(p.slug, 0),
             link_gbps=p.link_gbps, latency_ms=p.latency_ms, measured_tokens_per_s=measured.get(p.slug),
             speed_factor=p.speed_factor, state=p.state,
+            nodes_free=(nodes or {}).get(p.slug, {}) if spec.nodes_per_learner > 1 else None,
         )
         for p in qs
     ]
@@ -110,9 +156,10 @@ def model_figures(spec: JobSpec) -> tuple[float, float, int]:
 
 
 def plan(spec: JobSpec, job: Job | None = None, free: dict[str, int] | None = None,
-         learners: int | None = None, only: set[str] | None = None) -> placement.Placement:
+         learners: int | None = None, only: set[str] | None = None,
+         nodes: dict[str, dict[str, int]] | None = None) -> placement.Placement:
     """Where `spec`'s learners go now (raises PlacementError): what place_job makes and the dry run shows."""
-    infos = pool_infos(spec, job, free)
+    infos = pool_infos(spec, job, free, nodes)
     if only is not None:
         infos = [i for i in infos if i.slug in only]
     return placement.place_spec(spec, figures(spec), infos, learners)
@@ -148,21 +195,46 @@ def choose_pool(learner: Learner, avoid: set[str] | None = None) -> Pool | None:
     avoid = avoid or set()
     candidates = {s for s, n in free.items()
                   if n >= spec.devices_per_learner and s not in avoid and (not spec.pools or s in spec.pools)}
+    nodes = None
+    if spec.nodes_per_learner > 1 and candidates:  # an island over nodes needs N nodes with room
+        nodes = nodes_free(sorted(candidates), exclude_learner=learner)
+        per_node = spec.devices_per_learner // spec.nodes_per_learner
+        candidates = {s for s in candidates
+                      if placement.island_nodes(nodes.get(s, {}), spec.nodes_per_learner, per_node)}
     if not candidates:
         return None
     if learner.pool_id and learner.pool.slug in candidates:
         return learner.pool
     try:  # the best other pool per the placement model
-        best = plan(spec, learner.job, free, learners=1, only=candidates)
+        best = plan(spec, learner.job, free, learners=1, only=candidates, nodes=nodes)
     except placement.PlacementError:
         return None
     return Pool.objects.get(slug=best.assignments[0][1])
 
 
-def dispatch(learner: Learner, pool: Pool, reason: str = "") -> int:
-    """Bump the incarnation, point the learner at `pool` and send run_learner to its queue."""
-    from diloco_platform.celery import RUN_LEARNER, pool_queue, send
+def island_placement(learner: Learner, pool: Pool) -> list[str] | None:
+    """The nodes of `pool` an island over several nodes would take now (rank 0's first), [] for a
+    learner on one node, None when the pool lacks the nodes."""
+    spec = job_spec(learner.job)
+    if spec.nodes_per_learner <= 1:
+        return []
+    free = nodes_free([pool.slug], exclude_learner=learner).get(pool.slug, {})
+    return placement.island_nodes(free, spec.nodes_per_learner,
+                                  spec.devices_per_learner // spec.nodes_per_learner)
 
+
+def dispatch(learner: Learner, pool: Pool, reason: str = "") -> int:
+    """Bump the incarnation, point the learner at `pool` and send run_learner to its queue (rank 0's
+    node's own queue for an island over several nodes, whose nodes it reserves; when the pool lacks
+    them now, the learner stays pending)."""
+    from diloco_platform.celery import RUN_LEARNER, node_queue, pool_queue, send
+
+    island = island_placement(learner, pool)
+    if island is None:
+        log.info("job %s learner %s: pool %s lacks the nodes of its island now, waiting",
+                 learner.job_id, learner.index, pool.slug)
+        return learner.incarnation
+    queue = node_queue(pool.slug, island[0]) if island else pool_queue(pool.slug)
     with transaction.atomic():
         row = Learner.objects.select_for_update().get(pk=learner.pk)
         if row.state != Learner.State.PENDING:
@@ -172,12 +244,13 @@ def dispatch(learner: Learner, pool: Pool, reason: str = "") -> int:
             incarnation=inc, pool=pool, state=Learner.State.STARTING, node=None, last_heartbeat=None)
         LearnerRuntime.objects.update_or_create(
             learner=row, defaults={"dispatched_at": now(), "move_to": None, "move_reason": "",
-                                   "resume_point": None, "worker": "", "pid": None})
+                                   "resume_point": None, "worker": "", "pid": None, "island_nodes": island})
         job_id = row.job_id
         index = row.index
-        transaction.on_commit(lambda: send(RUN_LEARNER, job_id, index, inc, queue=pool_queue(pool.slug)))
+        transaction.on_commit(lambda: send(RUN_LEARNER, job_id, index, inc, queue=queue))
     learner.incarnation, learner.pool, learner.state = inc, pool, Learner.State.STARTING
-    log.info("dispatched job %s learner %s.%s to %s %s", job_id, index, inc, pool.slug, reason)
+    log.info("dispatched job %s learner %s.%s to %s%s %s", job_id, index, inc, pool.slug,
+             f" (nodes {', '.join(island)})" if island else "", reason)
     return inc
 
 

@@ -212,10 +212,40 @@ def _island_spec(job, spec, config, index: int, incarnation: int):
         config=config.to_dict(), islands=[(index, list(range(spec.devices_per_learner)))],
         num_learners=_shards(spec, index), job=str(job.pk), incarnation=incarnation,
         roots=[str(r) for r in settings.DATA_ROOTS], parallelism=spec.inner_parallelism,
-        timeout_s=float(settings.ISLAND_TIMEOUT_S), device=island_device(config.device, 0))
+        timeout_s=float(settings.ISLAND_TIMEOUT_S), device=island_device(config.device, 0),
+        nodes=spec.nodes_per_learner)
 
 
-def _engine(job, spec, config, data, index: int, incarnation: int):
+def _announcer(learner: Learner, incarnation: int, worker: str, ispec):
+    """For an island over several nodes: the callback that, once rank 0's store listens on `port`,
+    sends each other node of the island (reserved at dispatch) the task that starts its ranks,
+    with the rendezvous at this node's registered address. None for an island on one node."""
+    if ispec.nodes <= 1:
+        return None
+    from diloco_platform.celery import RUN_ISLAND_RANKS, node_queue, send
+
+    nodes = list(LearnerRuntime.objects.filter(learner=learner).values_list("island_nodes", flat=True).first()
+                 or [])
+    if len(nodes) != ispec.nodes or nodes[0] != worker:
+        raise RuntimeError(f"island nodes {nodes} reserved for this learner do not start with this node "
+                           f"{worker}")
+    address = Node.objects.filter(worker_name=worker).values_list("address", flat=True).first()
+    if not address:
+        raise RuntimeError(f"node {worker} registered no address (DILOCO_NODE_ADDRESS): its island's other "
+                           "nodes cannot reach its rendezvous")
+    slug = learner.pool.slug
+
+    def announce(port: int) -> None:
+        for j, node in enumerate(nodes[1:], start=1):
+            send(RUN_ISLAND_RANKS, learner.job_id, learner.index, incarnation, j, address, port,
+                 ispec.payload(), queue=node_queue(slug, node))
+        log.info("learner %s.%s: island rendezvous at %s:%s, ranks started on %s", learner.index, incarnation,
+                 address, port, ", ".join(nodes[1:]))
+
+    return announce
+
+
+def _engine(job, spec, config, data, index: int, incarnation: int, announcer=None):
     """The engine learner of this task: plain, or rank 0 of an island (then with its followers)."""
     from trainer.learner import Learner as EngineLearner
 
@@ -229,7 +259,8 @@ def _engine(job, spec, config, data, index: int, incarnation: int):
 
     ispec = _island_spec(job, spec, config, index, incarnation)
     with _starting(job.pk, index, incarnation):
-        followers = start(ispec)  # rendezvous on 127.0.0.1; returns once every rank has joined
+        # rendezvous here; `announce` starts other nodes' ranks; returns once every rank has joined
+        followers = start(ispec, announcer(ispec) if announcer else None)
         try:
             engine = make_island(config.replace(device=island_device(config.device, 0)), index,
                                  ranks=list(range(ispec.world)), parallelism=spec.inner_parallelism,
@@ -280,7 +311,8 @@ def _start(job, learner: Learner, index: int, incarnation: int, worker: str):
     spec = job_spec(job)
     config = train_config(job)
     data = corpus(config.dataset, config.cache_dir, job.pk)
-    engine, followers = _engine(job, spec, config, data, index, incarnation)
+    engine, followers = _engine(job, spec, config, data, index, incarnation,
+                                announcer=lambda ispec: _announcer(learner, incarnation, worker, ispec))
     try:
         if learner.work_size:
             engine.set_work_size(learner.work_size)
@@ -379,6 +411,7 @@ def _island_lost(learner: Learner, incarnation: int, loop: LearnerLoop, follower
 
     from .common import event
 
+    failed_at = now()
     loop.writer.close(timeout=60)
     close_old_connections()
     t = now()
@@ -389,16 +422,46 @@ def _island_lost(learner: Learner, incarnation: int, loop: LearnerLoop, follower
         .update(state=Learner.State.PENDING)
     if not n:
         return "fenced: superseded while its island failed"
+    silent = _silent_nodes(learner, failed_at)
     Incident.objects.create(
         job=learner.job, learner=learner, pool=learner.pool, kind="island_rank_lost",
         failed_at=t, detected_at=t,
         description=f"learner {learner.index}.{incarnation} on {learner.pool}: {reason}"[:300],
         details={"incarnation": incarnation, "follower_pids": followers.pids, "failed_pids": dead,
-                 "devices": followers.spec.world})
+                 "devices": followers.spec.world, "nodes": _island_nodes(learner), "silent_nodes": silent})
     event(learner.job, Event.Kind.FAILED, f"learner {learner.index}.{incarnation}: {reason}",
           {"learner": learner.index, "incarnation": incarnation, "failed_pids": dead}, pool=learner.pool)
     send(RECONCILE_JOB, learner.job_id)
     return "island failed"
+
+
+def _silent_nodes(learner: Learner, failed_at) -> list[str]:
+    """The island's other nodes that stopped heartbeating when it failed (a killed worker, a site cut
+    off) are declared lost, so it is not placed on them again: each gets a heartbeat timeout to show
+    a newer heartbeat than the failure. A node that still reaches the database stays (a partition
+    between the nodes only: the next rendezvous or collective times out again)."""
+    import time
+
+    from .common import hb_timeout
+    from .dispatch import mark_node_lost
+
+    others = _island_nodes(learner)[1:]
+    if not others:
+        return []
+    until = failed_at + timedelta(seconds=hb_timeout())
+    LearnerRuntime.objects.filter(learner=learner).update(retry_after=until)  # no re-placement meanwhile
+    time.sleep(max(0.0, (until - now()).total_seconds()))
+    silent = list(Node.objects.filter(worker_name__in=others, last_seen__lte=failed_at)
+                  .values_list("pk", "worker_name"))
+    why = f"no heartbeat since the island of learner {learner.index} of job {learner.job_id} failed"
+    for pk, _name in silent:
+        mark_node_lost(pk, why)
+    return [name for _, name in silent]
+
+
+def _island_nodes(learner: Learner) -> list[str]:
+    return list(LearnerRuntime.objects.filter(learner=learner).values_list("island_nodes", flat=True).first()
+                or [])
 
 
 def run_learner_body(job_id: int, index: int, incarnation: int, hostname: str | None = None) -> str:

@@ -60,6 +60,10 @@ class LearnerRuntime(models.Model):
     move_to = models.ForeignKey("inventory.Pool", null=True, blank=True, on_delete=models.SET_NULL,
                                 related_name="+", help_text="set by the rebalancer: hand off to this pool")
     move_reason = models.CharField(max_length=300, blank=True)
+    island_nodes = models.JSONField(
+        default=list, blank=True,
+        help_text="worker names of the nodes an island over several nodes holds slots on, rank 0's first "
+                  "(set at dispatch: the nodes' reservation and where its ranks start)")
     resume_incarnation = models.PositiveIntegerField(null=True, blank=True)
     resume_point = models.JSONField(
         null=True, blank=True,

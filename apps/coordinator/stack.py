@@ -304,14 +304,16 @@ class Stack:
         return self._spawn(processes.beat(schedule=str(self.var / "beat-schedule"),
                                           pidfile=str(self.var / "beat.pid"), python=PY))
 
-    def start_worker(self, slug: str, *, slots: int | None = None, wait: bool = True) -> str:
-        """Start one more worker node for pool `slug`; returns its process name (<slug>-<i>)."""
+    def start_worker(self, slug: str, *, slots: int | None = None, wait: bool = True,
+                     env: dict[str, str] | None = None) -> str:
+        """Start one more worker node for pool `slug` (`env`: this worker's own variables on top, e.g.
+        DILOCO_NODE_ADDRESS); returns its process name (<slug>-<i>)."""
         i = self._worker_seq.get(slug, 0)
         self._worker_seq[slug] = i + 1
         name = f"{slug}-{i}"
         pool = self.pools[slug]
         self._spawn(processes.pool_worker(slug, slots or pool.slots, name=name, node=self._node(name),
-                                          token=pool.token, python=PY, extra=QUIET))
+                                          token=pool.token, python=PY, extra=QUIET), env)
         pool.workers.append(name)
         if wait:
             self.wait_ready(name)

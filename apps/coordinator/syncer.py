@@ -31,7 +31,6 @@ __all__ = ["DjangoSyncerHost", "LeaseLost", "Ledger", "SyncerRun", "goodput", "r
 ACTIVE_JOB = (st.RUNNING, st.PAUSING)
 LIVE = (Learner.State.RUNNING, Learner.State.STARTING, Learner.State.PENDING)
 FINISHED = (Learner.State.DONE, Learner.State.REMOVED)
-DEVICES_PER_LEARNER = 1  # one learner per device slot (dispatch.pool_capacity)
 ACCOUNT_EVERY_BEATS = 10  # running energy / cost totals for dashboards (final figures at the end)
 
 
@@ -154,6 +153,7 @@ class DjangoSyncerHost:
             if row and row["energy_j"] == 0 and row["cost"] == 0 and row["started_at"]:
                 last = row["started_at"]
         energy = cost = 0.0
+        devices = self.spec.devices_per_learner  # an island's every device draws power and costs
         if last is not None and t > last:
             fresh = t - timedelta(seconds=hb_timeout())
             for state, started, beat, watts, price in Learner.objects.filter(
@@ -164,8 +164,8 @@ class DjangoSyncerHost:
                 end = t if state == Learner.State.RUNNING and beat >= fresh else min(t, beat)
                 busy = (end - begin).total_seconds()
                 if busy > 0:
-                    energy += float(watts or 0) * DEVICES_PER_LEARNER * busy
-                    cost += float(price or 0) * DEVICES_PER_LEARNER * busy / 3600.0
+                    energy += float(watts or 0) * devices * busy
+                    cost += float(price or 0) * devices * busy / 3600.0
         Job.objects.filter(pk=self.job_id).update(
             energy_j=F("energy_j") + energy, cost=F("cost") + cost,
             tokens_computed=Greatest(Value(self._computed()), F("tokens_contributed")))

@@ -2,6 +2,8 @@
 
   reconcile_job(job_id)                       coordinator queue; called by apps.jobs.services
   run_learner(job_id, index, incarnation)     pool.<slug> queue; long-running, acks early
+  run_island_ranks(job_id, index, inc, ...)   pool.<slug>.node.<worker> queue; the ranks of an island over
+                                              several nodes on one of its nodes (apps.coordinator.island_node)
   run_syncer(job_id, epoch, shard)            syncer queue; long-running, one per job shard (its own
                                               worker: SYNCER_SLOTS threads, apps.coordinator.capacity)
   watchdog()                                  coordinator queue; beat, every second
@@ -15,7 +17,14 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from diloco_platform.celery import RECONCILE_JOB, RUN_LEARNER, RUN_SYNCER, SYNCER_QUEUE, send
+from diloco_platform.celery import (
+    RECONCILE_JOB,
+    RUN_ISLAND_RANKS,
+    RUN_LEARNER,
+    RUN_SYNCER,
+    SYNCER_QUEUE,
+    send,
+)
 
 from .common import log
 
@@ -37,6 +46,16 @@ def run_learner(self, job_id: int, index: int, incarnation: int) -> str:
     except Exception:
         log.exception("learner %s.%s of job %s crashed", index, incarnation, job_id)
         raise
+
+
+@shared_task(name=RUN_ISLAND_RANKS, ignore_result=True, acks_late=False, time_limit=None,
+             soft_time_limit=None, max_retries=0)
+def run_island_ranks(job_id: int, index: int, incarnation: int, node: int, host: str, port: int,
+                     spec: str) -> str:
+    from .island_node import run_island_ranks_body
+
+    return run_island_ranks_body(int(job_id), int(index), int(incarnation), int(node), str(host), int(port),
+                                 str(spec))
 
 
 @shared_task(bind=True, name=RUN_SYNCER, ignore_result=True, acks_late=False,

@@ -25,7 +25,7 @@ from trainer.spec import JobSpec
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Job", ("name", "team", "strategy", "model", "dataset")),
     ("Learners", ("learners", "min_learners", "max_learners", "quorum", "devices_per_learner",
-                  "inner_parallelism")),
+                  "nodes_per_learner", "inner_parallelism")),
     ("Schedule", ("steps", "max_tokens", "inner_steps", "fragments", "fragment_mode",
                   "warmup_steps",
                   "eval_interval", "checkpoint_interval", "max_staleness", "grace_cap_s")),

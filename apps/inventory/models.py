@@ -158,6 +158,10 @@ class Node(models.Model):
     device_count = models.PositiveIntegerField(default=1)
     agent_version = models.CharField(max_length=40, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
+    address = models.GenericIPAddressField(
+        null=True, blank=True,
+        help_text="where the node's peers reach it (DILOCO_NODE_ADDRESS, else its address towards the "
+                  "broker): the rendezvous of a learner island whose rank 0 runs here")
     state = models.CharField(max_length=10, choices=State.choices, default=State.ONLINE)
     registered_at = models.DateTimeField(default=timezone.now)
     last_seen = models.DateTimeField(default=timezone.now)

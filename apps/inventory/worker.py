@@ -97,6 +97,30 @@ def pool_slug() -> str:
     return os.environ.get("DILOCO_POOL", "").strip()
 
 
+def node_address() -> str | None:
+    """Where this node's peers reach it: DILOCO_NODE_ADDRESS, else the local address of a route
+    to the broker's host (a UDP connect sends nothing), else None. Rank 0 of a learner island over
+    several nodes hosts its rendezvous there."""
+    explicit = os.environ.get("DILOCO_NODE_ADDRESS", "").strip()
+    if explicit:
+        try:  # an IP address, or a name resolved once here
+            return socket.getaddrinfo(explicit, None, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError:
+            logger.error("DILOCO_NODE_ADDRESS=%s does not resolve; registering no address", explicit)
+            return None
+    from urllib.parse import urlsplit
+
+    host = urlsplit(str(getattr(settings, "CELERY_BROKER_URL", "") or "")).hostname or ""
+    if not host or host == "localhost":
+        return "127.0.0.1" if host else None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
 class NodeAgent:
     """Registers one worker as a Node and keeps its heartbeat going."""
 
@@ -154,6 +178,7 @@ class NodeAgent:
                 "device_count": sum(1 for d in devices if d["kind"] != "cpu") or self.slots,
                 "agent_version": AGENT_VERSION,
                 "pid": os.getpid(),
+                "address": node_address(),
                 "state": Node.State.ONLINE,
                 "registered_at": now,
                 "last_seen": now,
@@ -263,6 +288,21 @@ def on_worker_ready(sender=None, **kwargs) -> None:
         connection.close()  # the heartbeat thread opens its own
     agent.start()
     _agent = agent
+
+
+@signals.celeryd_after_setup.connect(dispatch_uid="diloco.inventory.node_queue")
+def on_worker_setup(sender=None, instance=None, **kwargs) -> None:
+    """A pool worker also consumes its own node's queue (`pool.<slug>.node.<worker name>`), where
+    the ranks of learner islands over several nodes are sent (the start command stays the same)."""
+    slug = pool_slug()
+    if not slug or instance is None:
+        return
+    from kombu import Exchange, Queue
+
+    from diloco_platform.celery import node_queue
+
+    name = node_queue(slug, sender)  # its own exchange, as -Q queues: not bound on the default one
+    instance.app.amqp.queues.select_add(Queue(name, Exchange(name), name))
 
 
 @signals.worker_shutdown.connect(dispatch_uid="diloco.inventory.worker_shutdown")

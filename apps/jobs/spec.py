@@ -101,9 +101,35 @@ def largest_node(pools: list[str]) -> tuple[int, str]:
     return best
 
 
+def nodes_with(pools: list[str], devices: int) -> tuple[int, str]:
+    """(most registered, not lost nodes of one pool with at least `devices` slots each, that pool)
+    among `pools` (all active pools when empty)."""
+    from apps.inventory.models import Node, Pool
+
+    qs = Pool.objects.filter(slug__in=pools) if pools else Pool.objects.filter(state=Pool.State.ACTIVE)
+    best = (0, "")
+    for pool in qs:
+        n = Node.objects.filter(pool=pool, device_count__gte=devices).exclude(state=Node.State.LOST).count()
+        best = max(best, (n, pool.slug))
+    return best
+
+
+def nodes_problem(spec: JobSpec) -> str | None:
+    """Why a learner island over `nodes_per_learner` nodes finds no pool with that many nodes, or None."""
+    if spec.nodes_per_learner <= 1:
+        return None
+    per_node = spec.devices_per_learner // spec.nodes_per_learner
+    n, slug = nodes_with(spec.pools, per_node)
+    if n >= spec.nodes_per_learner:
+        return None
+    where = f"pool {slug} has {n}" if slug else "no pool has one"
+    return (f"a learner needs {spec.nodes_per_learner} nodes of one pool with {per_node} device(s) each; "
+            f"{where}")
+
+
 def island_problem(spec: JobSpec) -> str | None:
-    """Why a learner of `spec` fits on no node (an island spans one node's devices), or None."""
-    if spec.devices_per_learner <= 1:
+    """Why a learner of `spec` fits on no node (an island on one node spans that node's devices), or None."""
+    if spec.devices_per_learner <= 1 or spec.nodes_per_learner > 1:
         return None
     devices, slug = largest_node(spec.pools)
     if devices >= spec.devices_per_learner:
@@ -164,6 +190,9 @@ def validate_spec(data: Any, *, fleet: bool = True) -> JobSpec:
     island = island_problem(spec) if fleet else None
     if island:
         errors["devices_per_learner"] = [island]
+    nodes = nodes_problem(spec) if fleet else None
+    if nodes:
+        errors["nodes_per_learner"] = [nodes]
     shards = syncer_shards_problem(spec.syncer_shards) if fleet else None
     if shards:  # more than the coordinator can ever hold
         errors["syncer_shards"] = [shards]

@@ -24,7 +24,8 @@ from trainer.spec import JobSpec, stored_spec
 # elasticity, syncer sharding, checkpoint cadence; `eval_interval` becomes `eval_every`, `strategy`
 # the quorum of synchronous DiLoCo; a learner island's shape is read by its runner.
 PLATFORM_FIELDS = {"name", "strategy", "objective", "pools", "min_learners", "max_learners", "syncer_shards",
-                   "checkpoint_interval", "eval_interval", "devices_per_learner", "inner_parallelism"}
+                   "checkpoint_interval", "eval_interval", "devices_per_learner", "nodes_per_learner",
+                   "inner_parallelism"}
 
 
 def test_every_spec_field_reaches_the_engine_or_is_a_platform_field():
