@@ -55,12 +55,13 @@ def redis_user(slug: str) -> str:
 # -- PostgreSQL ---------------------------------------------------------------------------------
 
 def _tables() -> dict[str, str]:
-    from apps.coordinator.models import LearnerRuntime
-    from apps.jobs.models import Event, Incident, Job, Learner
+    """The tables a worker touches, by model name (looked up in the app registry: the jobs' and the
+    coordinator's apps sit above this one)."""
+    from django.apps import apps
 
-    from .models import Node, Pool
-
-    return {m.__name__: m._meta.db_table for m in (Pool, Node, Job, Learner, LearnerRuntime, Incident, Event)}
+    names = [("inventory", "Pool"), ("inventory", "Node"), ("jobs", "Job"), ("jobs", "Learner"),
+             ("coordinator", "LearnerRuntime"), ("jobs", "Incident"), ("jobs", "Event")]
+    return {model: apps.get_model(app, model)._meta.db_table for app, model in names}
 
 
 def _grants(t: dict[str, str]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -251,11 +252,14 @@ def acl_rules(slug: str, password: str, *, db: int = 0, blob_prefix: str | None 
         own.append(f"{blob_prefix}*")
     rules = ["reset", "on", f">{password}", "resetchannels",
              "+@all", "-@admin", "-@dangerous", "-scan", "-randomkey", "-pubsub|channels",
-             "-pubsub|shardchannels", "-script|flush", "-function"]
+             "-pubsub|shardchannels", "-script|flush", "-function",
+             "-publish", "-spublish"]  # publishing only in the selector below
     rules += [f"~{k}" for k in own]
     rules += ["%R~_kombu.binding.*",  # routing: which queues an exchange delivers to
               "%W~coordinator", f"%W~coordinator{KOMBU_SEP}*"]  # reconcile_job; it never reads the queue
-    rules += [f"&/{db}.celery.pidbox", f"&/{db}.celeryev/*"]  # remote control, worker heartbeats
+    # It listens to remote control (`celery inspect ping`) but cannot broadcast a command (a
+    # `shutdown` would reach every worker, coordinator included); it publishes its heartbeats.
+    rules += [f"&/{db}.celery.pidbox", f"(+publish &/{db}.celeryev/*)"]
     return rules
 
 

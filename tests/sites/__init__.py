@@ -1,0 +1,1 @@
+"""Pools on other hosts: least-privilege credentials, multi-site runs."""
