@@ -37,25 +37,94 @@ def duplicates(job) -> int:
     return n
 
 
+def window_losses(job, state=None):
+    """Per validation window, on the windows the syncer evaluates (trainer.data.evaluate): the
+    loss of the job's model (as built when `state` is None, else with `state` loaded) and the
+    loss of a model that knows only the training split's token frequencies (add-one smoothed),
+    which is what a model reaches without using any context."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from apps.coordinator.common import corpus, train_config
+    from trainer.data import val_windows
+    from trainer.models import build_model
+
+    cfg = train_config(job)
+    data = corpus(cfg.dataset, cfg.cache_dir)
+    seq = cfg.seq_len
+    starts = val_windows(data, seq, cfg.eval_batches * (cfg.eval_batch_size or cfg.batch_size))
+    rows = torch.from_numpy(np.stack([np.asarray(data.val[s:s + seq + 1], dtype=np.int64) for s in starts]))
+    model = build_model(cfg.model, seq_len=seq, seed=cfg.seed, vocab_size=data.vocab_size)
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected and not [k for k in missing if k in dict(model.named_parameters())]
+    model.eval()
+    with torch.no_grad():
+        logits = model(rows[:, :-1]).float()
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1), reduction="none")
+    counts = np.bincount(np.asarray(data.train), minlength=data.vocab_size).astype(np.float64) + 1
+    unigram = -np.log(counts / counts.sum())[rows[:, 1:].numpy()]
+    return nll.view(len(starts), seq).mean(1).double().numpy(), unigram.mean(1)
+
+
+def clears(gain, what: str) -> str:
+    """The mean of per-window `gain`, asserted above three standard errors of the windows."""
+    se = float(gain.std(ddof=1)) / len(gain) ** 0.5
+    assert gain.mean() > 3 * se, f"{what}: {gain.mean():.4f} <= 3 x {se:.4f} (windows' standard error)"
+    return f"{gain.mean():.3f} +- {se:.3f}"
+
+
 def test_job_completes_and_loss_falls(stack, owner):
     # global weights come down as int8 updates (the other e2e jobs use whole fp32 fragments)
-    job, _ = submit_job(owner, dict(TINY, global_compression="int8"))
-    t0 = time.monotonic()
+    spec = dict(TINY, global_compression="int8")
+    job, _ = submit_job(owner, spec)
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=120, what="job end")
     job.refresh_from_db()
-    print(f"\njob took {time.monotonic() - t0:.1f}s, {job.outer_steps} outer steps, "
-          f"val loss {job.initial_val_loss:.3f} -> {job.final_val_loss:.3f}")
+    learners = list(Learner.objects.filter(job=job).order_by("index"))
+
+    # completed: every learner ran its budget out, the final export exists
     assert job.status == st.COMPLETED, job.status_reason
-    assert job.outer_steps >= 4
-    assert job.final_val_loss < job.initial_val_loss - 0.1
-    assert MetricPoint.objects.filter(job=job, name="val_loss").count() >= 2
+    assert {lr.state for lr in learners} == {Learner.State.DONE}
+    assert job.outer_steps >= 4 and job.outer_steps == OuterStep.objects.filter(job=job).count()
     final = Checkpoint.objects.get(job=job, kind=Checkpoint.Kind.FINAL)
     assert final.size_bytes > 0 and len(final.sha256) == 64
-    assert set(Learner.objects.filter(job=job).values_list("state", flat=True)) == {Learner.State.DONE}
+
+    # loss falls, measured on the same windows at both ends: the untrained model (as the job
+    # built it) against the final export, each reproducing the figure the job recorded, and the
+    # gain over the windows larger than three of their standard errors; the export also beats
+    # a model of token frequencies alone by that margin, so the job learned from context
+    from safetensors.torch import load
+
+    before, unigram = window_losses(job)
+    after, _ = window_losses(job, load(open_store(stack.blob_store_url).get(final.blob_uri)))
+    assert abs(before.mean() - job.initial_val_loss) < 1e-3, (before.mean(), job.initial_val_loss)
+    assert abs(after.mean() - job.final_val_loss) < 1e-3, (after.mean(), job.final_val_loss)
+    fell = clears(before - after, "val loss fell")
+    beat = clears(unigram - after, "below token frequencies")
+    series = list(MetricPoint.objects.filter(job=job, name="val_loss", learner=None).order_by("time", "id")
+                  .values_list("value", flat=True))
+    assert len(series) >= 2 and series[0] == job.initial_val_loss and series[-1] == job.final_val_loss
+    print(f"\n{job.outer_steps} outer steps, val loss {job.initial_val_loss:.3f} -> {job.final_val_loss:.3f} "
+          f"(fell {fell}, {beat} below token frequencies {unigram.mean():.3f}; {len(after)} windows)")
+
+    # tokens counted: each learner's applied token ranges tile [0, its budget) exactly once
+    # (no duplicate application, nothing lost) and the counters add up to the same figures
+    per_learner = spec["steps"] * spec["batch_size"] * spec["seq_len"]
+    ranges = applied_ranges(job)
     assert duplicates(job) == 0
-    assert 0 < job.tokens_contributed <= job.tokens_computed
-    assert job.energy_j > 0  # the pools' TDP over the learners' busy time
+    for lr in learners:
+        mine = sorted(ranges.get((lr.index, 0), []))
+        assert mine and mine[0][0] == 0 and mine[-1][1] == per_learner, (lr.index, mine)
+        assert all(e1 == s2 for (_, e1), (s2, _) in zip(mine, mine[1:], strict=False)), (lr.index, mine)
+        assert lr.tokens_contributed == per_learner, lr.index
+    assert job.tokens_contributed == sum(lr.tokens_contributed for lr in learners) == 2 * per_learner
+    assert job.tokens_contributed <= job.tokens_computed and job.tokens_lost == 0
     steps = list(OuterStep.objects.filter(job=job).values_list("contributors", flat=True))
+    assert sum(c["tokens"] for cs in steps for c in cs) == job.tokens_contributed
+
+    # what the job page shows beside it
+    assert job.energy_j > 0  # the pools' TDP over the learners' busy time
     assert all(isinstance(c["norm"], float) and c["norm"] > 0 for cs in steps for c in cs)
     assert all(c["cosine"] is None or -1 <= c["cosine"] <= 1 for cs in steps for c in cs)
     goodput = list(MetricPoint.objects.filter(job=job, name="goodput").values_list("value", flat=True))
@@ -65,12 +134,17 @@ def test_job_completes_and_loss_falls(stack, owner):
     assert ends and sum(d["updates_received"] for d in ends) > 0
     assert all(d["bytes_received"] > 0 for d in ends)
 
+
+def test_platform_overhead_bench(stack, owner):
+    """The figures of docs/runtime.md "Benchmarks", printed; the assertions are only that each
+    figure was measured from a finished job, never on its value (the machine is shared)."""
     bench(stack, owner)
 
 
 def bench(stack, owner):
-    """Printed, not asserted: a learner inside the platform against the bare engine loop, and the
-    syncer's wall time per outer step against raw blob-store transfers of the same bytes."""
+    """Printed, their values never asserted: a learner inside the platform against the bare engine
+    loop, and the syncer's wall time per outer step against raw blob-store transfers of the same
+    bytes (asserted: the bench job completed and reported each figure)."""
     import torch
 
     from apps.coordinator.common import corpus, default_cache_dir
@@ -82,9 +156,13 @@ def bench(stack, owner):
     spec = {**TINY, "learners": 1, "quorum": 1, "steps": 200, "name": "bench", "pools": ["alpha"]}
     job, _ = submit_job(owner, spec)
     stack.wait_for(lambda: Job.objects.get(pk=job.pk).status in st.TERMINAL, timeout=120, what="bench job")
+    assert Job.objects.get(pk=job.pk).status == st.COMPLETED
     ev = Event.objects.filter(job=job, payload__outcome="done").first()
     sync = Event.objects.filter(job=job, payload__has_key="sync_seconds").first()
+    assert ev is not None and sync is not None, "the learner's and the syncer's final reports"
     platform_tps = ev.payload["tokens_per_s"]
+    assert platform_tps > 0 and ev.payload["train_seconds"] > 0 and ev.payload["active_seconds"] > 0
+    assert all(sync.payload[k] > 0 for k in ("commits_this_epoch", "bytes_in", "accepted"))
 
     # the bare engine loop, same config, in this process (the stack is idle now)
     torch.set_num_threads(1)
