@@ -21,7 +21,9 @@ command lines of diloco_platform.processes (as the Procfile, compose and the dem
   web           gunicorn + uvicorn workers on a free port (`web_workers=N`; default 1: a test
                 that needs several processes, e.g. the channel layer's fan-out, asks for them)
   <pool>-<i>    `celery worker -Q pool.<slug> --concurrency N --prefetch-multiplier 1
-                 --disable-prefetch`, env DILOCO_POOL=<slug>, DILOCO_POOL_TOKEN=<raw token>
+                 --disable-prefetch`, env DILOCO_POOL=<slug>, DILOCO_POOL_TOKEN=<raw token>, and
+                 `pool_env[<slug>]` on top (e.g. the restricted DATABASE_URL / REDIS_URL of
+                 apps.inventory.credentials)
   coordinator   `celery worker -Q coordinator` (threads pool; short housekeeping tasks);
                 `coordinators=2` adds a standby "coordinator-1" (any coordinator worker runs the
                 watchdog and restarts syncers)
@@ -176,6 +178,7 @@ class Stack:
         redis_url: str | None = None,
         speed_factors: dict[str, float] | None = None,
         extra_env: dict[str, str] | None = None,
+        pool_env: dict[str, dict[str, str]] | None = None,
         flush_redis: bool = True,
         start_timeout: float = 60.0,
     ):
@@ -191,6 +194,7 @@ class Stack:
         self.coordinators = coordinators
         self.syncers = coordinators if syncers is None else syncers
         self.speed_factors = speed_factors or {}
+        self.pool_env = pool_env or {}  # slug -> variables of that pool's workers (e.g. their credentials)
         self.redis_url = redis_url or os.environ.get("REDIS_URL", "")
         if not self.redis_url:
             raise StackError("the live stack needs Redis (set REDIS_URL)")
@@ -313,7 +317,8 @@ class Stack:
         name = f"{slug}-{i}"
         pool = self.pools[slug]
         self._spawn(processes.pool_worker(slug, slots or pool.slots, name=name, node=self._node(name),
-                                          token=pool.token, python=PY, extra=QUIET), env)
+                                          token=pool.token, python=PY, extra=QUIET),
+                    {**self.pool_env.get(slug, {}), **(env or {})})
         pool.workers.append(name)
         if wait:
             self.wait_ready(name)

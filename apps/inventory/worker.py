@@ -145,7 +145,8 @@ class NodeAgent:
 
     def register(self) -> int | None:
         """Create/update the Node; return its id, or None when refused (logged)."""
-        from .models import Node, Pool, PoolToken
+        from .credentials import pool_token_valid  # a pool's own role cannot read the tokens
+        from .models import Node, Pool
 
         queue = f"pool.{self.slug}"
         if queue not in self.queues:
@@ -162,7 +163,7 @@ class NodeAgent:
         if pool is None:
             logger.error("DILOCO_POOL=%s: no such pool in the inventory; not registering", self.slug)
             return None
-        if self.token is not None and PoolToken.authenticate(self.token) != pool:
+        if self.token is not None and not pool_token_valid(self.token, self.slug):
             logger.error("DILOCO_POOL_TOKEN is not a valid token of pool %s; not registering", self.slug)
             return None
         if pool.state != Pool.State.ACTIVE:
@@ -303,6 +304,20 @@ def on_worker_setup(sender=None, instance=None, **kwargs) -> None:
 
     name = node_queue(slug, sender)  # its own exchange, as -Q queues: not bound on the default one
     instance.app.amqp.queues.select_add(Queue(name, Exchange(name), name))
+
+
+@signals.celeryd_after_setup.connect(dispatch_uid="diloco.inventory.no_declare")
+def on_pool_worker_setup(sender=None, instance=None, **kwargs) -> None:
+    """A pool worker sends to the coordinator queue (reconcile_job) without declaring it: its broker
+    user may not rewrite the coordinator's bindings (apps.inventory.credentials); the coordinator's
+    own workers declare that queue. Not consumed here: only how sends resolve it."""
+    if not pool_slug() or instance is None:
+        return
+    from kombu import Exchange, Queue
+
+    queues = instance.app.amqp.queues
+    name = instance.app.conf.task_default_queue
+    queues[name] = Queue(name, Exchange(name), name, no_declare=True)
 
 
 @signals.worker_shutdown.connect(dispatch_uid="diloco.inventory.worker_shutdown")
