@@ -145,11 +145,6 @@ KNOWN_BACKWARD: dict[str, str] = {
     "apps.inventory.liveness -> apps.jobs.models": "node purge events",
     # revoking a pool token closes its agents' websockets (function-level import)
     "apps.inventory.models -> apps.telemetry.publish": "token revocation",
-    # issue 37 (landed after this list was drawn, 4b402b5): a pool's database grants name the
-    # tables its worker writes, the jobs' and the coordinator's among them; its place is a layer
-    # above them (the coordinator, or a provisioning module of its own)
-    "apps.inventory.credentials -> apps.coordinator.models": "issue 37: pool grants",
-    "apps.inventory.credentials -> apps.jobs.models": "issue 37: pool grants",
 }
 
 # What the engine may import at module level: the standard library and the dependencies
