@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench compare compare-small perf install browser clean
+.PHONY: demo test lint bench compare compare-small perf install browser clean sites sites-drill
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || (echo "need $(PY)"; exit 1)
@@ -65,6 +65,16 @@ compare-small: $(STAMP)
 perf: $(STAMP)
 	mkdir -p bench/results
 	$(BIN)/python bench/perf_report.py
+
+# A control plane and three sites in network namespaces behind shaped uplinks (needs root;
+# docs/sites.md): `make sites` stays up until Ctrl-C; `make sites-drill` runs the fault drill
+# (SITES_QUICK=1 for the shorter one) and writes bench/results/sites-drill.json.
+sites: $(STAMP)
+	$(BIN)/python manage.py sites up
+
+sites-drill: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python manage.py sites_drill $(if $(SITES_QUICK),--quick,) --json bench/results/sites-drill.json
 
 clean:
 	rm -rf var test-artifacts

@@ -35,8 +35,9 @@ class SitesDrill:
                  sites: list[SiteSpec] | None = None, spec: dict | None = None,
                  partition_s: float | None = None,
                  faults: tuple[str, ...] = ("partition", "site_loss", "slow_site", "island_node"),
-                 least_privilege: bool = True):
+                 least_privilege: bool = True, baseline: bool = True):
         self.least_privilege = least_privilege
+        self.with_baseline = baseline
         self.tmp = Path(tmp)
         self.quick = quick
         self.log = log
@@ -97,7 +98,7 @@ class SitesDrill:
         with Sites(self.tmp, self.site_specs, least_privilege=self.least_privilege) as sites:
             shown = ", ".join(f"{s.name} {s.mbit} Mbit/s x{s.nodes}" for s in self.site_specs)
             self.log(f"sites up: {shown}")
-            base = self.baseline(sites)
+            base = self.baseline(sites) if self.with_baseline else {}
             self.faulty(sites, base)
             if "island_node" in self.faults:
                 self.report["island"] = self.island(sites)
@@ -229,7 +230,9 @@ class SitesDrill:
             "job": job, "seconds": round(seconds, 1), **row, "incidents": incidents,
             "every_incident_healed": all(i["time_to_heal_s"] is not None for i in incidents),
             "duplicates_applied": len(duplicates(steps)), "duplicate_details": duplicates(steps)[:10],
-            "fenced_applied": fenced_applied(steps, incidents),
+            "fenced_applied": (fenced := fenced_applied(steps, incidents))["violations"],
+            "predecessor_applied_after_detection": fenced["late"],
+            "zombies_refused": _zombies(sites, job),
             "baseline_val_loss": base.get("final_val_loss"),
             "val_loss_rel_diff": _r(rel, 4), **gaps(steps),
             "uplink_bytes": {s: sites.uplink_bytes(s) for s in sites.sites},
@@ -243,33 +246,58 @@ def gaps(steps: list[tuple[float, int, list]]) -> dict:
     return {"outer_step_records": len(times), "max_outer_step_gap_s": _r(max(spans)) if spans else None}
 
 
-def duplicates(steps: list[tuple[float, int, list]]) -> list[dict]:
-    """Applied contributions whose token range overlaps one applied before (same learner, fragment)."""
-    ranges: dict[tuple[int, int], list[tuple]] = {}
+def applied_ranges(steps: list[tuple[float, int, list]]) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+    """(learner, fragment) -> the token ranges applied, each with its incarnation."""
+    ranges: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for _, fragment, contributors in steps:
         for c in contributors:
             for r in c.get("ranges", []):
                 ranges.setdefault((c["learner"], fragment), []).append(
-                    (int(r[0]), int(r[1]), c.get("incarnation")))
+                    (int(r[0]), int(r[1]), c.get("incarnation") or 0))
+    return ranges
+
+
+def duplicates(steps: list[tuple[float, int, list]]) -> list[dict]:
+    """Applied contributions whose token range overlaps one applied before (same learner, fragment)."""
     out = []
-    for (learner, fragment), rs in ranges.items():
+    for (learner, fragment), rs in applied_ranges(steps).items():
         rs.sort()
         out += [{"learner": learner, "fragment": fragment, "first": a, "second": b}
                 for a, b in zip(rs, rs[1:], strict=False) if b[0] < a[1]]
     return out
 
 
-def fenced_applied(steps: list[tuple[float, int, list]], incidents: list[dict]) -> int:
-    """Contributions of a lost incarnation applied after its loss was detected (fencing: must be 0)."""
-    n = 0
+def fenced_applied(steps: list[tuple[float, int, list]], incidents: list[dict]) -> dict:
+    """Contributions of a lost incarnation applied after its loss was detected.
+
+    The syncer's fencing rule (trainer.runtime.syncer_loop): a predecessor's contribution still
+    counts when its token range ends at or before where the successor resumed (those tokens are
+    not computed again), and is refused as a zombie otherwise. So `late` may be above 0; `violations`
+    (such a contribution overlapping a range a newer incarnation of the learner contributed) must be 0.
+    """
+    newer = applied_ranges(steps)
+    late = violations = 0
     for inc in incidents:
         if inc["learner"] is None or inc["incarnation"] is None:
             continue
-        for t, _, contributors in steps:
-            if t > inc["detected_at"] + 0.5:  # a commit in flight at detection may still land
-                n += sum(1 for c in contributors if c["learner"] == inc["learner"]
-                         and c.get("incarnation") is not None and c["incarnation"] <= inc["incarnation"])
-    return n
+        for t, fragment, contributors in steps:
+            if t <= inc["detected_at"]:
+                continue
+            for c in contributors:
+                if c["learner"] != inc["learner"] or (c.get("incarnation") or 0) > inc["incarnation"]:
+                    continue
+                late += 1
+                for r in c.get("ranges", []):
+                    violations += any(s0 < int(r[1]) and int(r[0]) < e0 and i0 > inc["incarnation"]
+                                      for s0, e0, i0 in newer.get((c["learner"], fragment), []))
+    return {"late": late, "violations": violations}
+
+
+def _zombies(sites: Sites, job: int) -> int | None:
+    """Contributions the syncer refused as zombies (an old incarnation's recomputed tokens)."""
+    rows = sites.sql("select coalesce(sum(zombies_refused), 0) from coordinator_syncerlease "
+                     "where job_id=%s", [job])
+    return int(rows[0][0]) if rows else None
 
 
 def _r(x, nd: int = 3):
