@@ -211,12 +211,12 @@ EQUAL = {**TINY, "learners": 1, "quorum": 1, "steps": 48, "eval_interval": 2}
 
 
 @live
-def test_an_island_over_two_nodes_trains_as_on_one_node_and_is_replaced_whole(node_stack, owner):
-    """(a) 1 learner x 2 processes over two nodes reaches the loss of the same learner as 2 processes
-    on one node, and of a one-process learner, at equal tokens; (b) the worker of the island's
-    second node is SIGKILLed mid-run: rank 0 sees its collective fail, the silent node is declared
-    lost, the island is placed again whole on two live nodes, every contribution applied once, and
-    the old ranks exit on their own."""
+def test_an_island_over_two_nodes_reaches_the_loss_of_one_node(node_stack, owner):
+    """1 learner x 2 processes over two nodes reaches the loss of the same learner as 2 processes on
+    one node, and of a one-process learner, at equal tokens. Not bit-equal on the live stack: the
+    learner adopts each new global whenever its poll sees it, so runs of one spec differ by up to
+    0.6% here (tests/trainer/test_island_nodes.py checks the island's steps against one process
+    to 1e-4); the bound is the issue's 1%."""
     from apps.coordinator.models import LearnerRuntime
 
     two = _run(node_stack, owner, {**EQUAL, "name": "two nodes", "devices_per_learner": 2,
@@ -234,7 +234,14 @@ def test_an_island_over_two_nodes_trains_as_on_one_node_and_is_replaced_whole(no
     assert abs(two.final_val_loss - plain.final_val_loss) <= 0.01 * plain.final_val_loss, losses
     assert two.final_val_loss < two.initial_val_loss - 0.1
 
-    # (b) kill the island's second node mid-run
+
+@live
+def test_a_killed_node_replaces_the_island_whole_with_each_contribution_once(node_stack, owner):
+    """The worker of the island's second node is SIGKILLed mid-run: rank 0 sees its collective fail,
+    the silent node is declared lost, the island is placed again whole on two live nodes, every
+    contribution applied once, and the old ranks exit on their own."""
+    from apps.coordinator.models import LearnerRuntime
+
     job, _ = submit_job(owner, {**EQUAL, "name": "node killed", "steps": 160, "devices_per_learner": 2,
                                 "nodes_per_learner": 2})
     node_stack.wait_for(lambda: Job.objects.get(pk=job.pk).outer_steps >= 2 and follower_pids(job.pk, 0),

@@ -27,11 +27,22 @@ def _island(small_config, stdlib_corpus):
 
 
 def test_the_other_nodes_ranks_follow_and_stop_when_told(small_config, stdlib_corpus):
+    """Rank 1 on the other node steps with rank 0: the island's losses and weights are a one-process
+    learner's on the same batches (up to the order of float sums); then it stops and exits 0."""
+    import pytest
+    import torch
+
+    from trainer.learner import Learner
+
     learner, local, remote = _island(small_config, stdlib_corpus)
+    plain = Learner(learner.config, 0, corpus=stdlib_corpus)
     try:
-        for _ in range(2):
-            learner.step()
-        assert learner.tokens == 2 * 4 * 32  # the island's batch, counted once
+        for _ in range(3):
+            ours, theirs = learner.step(), plain.step()
+            assert ours.loss == pytest.approx(theirs.loss, rel=1e-4) and ours.tokens == theirs.tokens
+        assert learner.tokens == 3 * 4 * 32  # the island's batch, counted once
+        for n, t in plain.params.items():
+            torch.testing.assert_close(learner.params[n].detach(), t.detach(), rtol=1e-3, atol=2e-5, msg=n)
         learner.stop_followers()
     finally:
         teardown()
