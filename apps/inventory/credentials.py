@@ -100,9 +100,9 @@ def _row_rules(t: dict[str, str], schema: str) -> dict[str, str]:
 
 def _setup_sql(cur, schema: str, database: str) -> None:
     """The group role, its grants, the lookup functions and the policies (idempotent)."""
-    cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [GROUP])
-    if cur.fetchone() is None:
-        cur.execute(f'CREATE ROLE "{GROUP}" NOLOGIN')
+    # roles are cluster-wide: another database's provisioning may be making the group right now
+    cur.execute(f"""DO $$ BEGIN CREATE ROLE "{GROUP}" NOLOGIN;
+                    EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$""")
     cur.execute(f'GRANT CONNECT ON DATABASE "{database}" TO "{GROUP}"')
     cur.execute(f'GRANT USAGE ON SCHEMA {schema} TO "{GROUP}"')
     cur.execute(f"CREATE TABLE IF NOT EXISTS {schema}.{ROLE_TABLE} "
@@ -251,9 +251,11 @@ def acl_rules(slug: str, password: str, *, db: int = 0, blob_prefix: str | None 
     if blob_prefix:
         own.append(f"{blob_prefix}*")
     rules = ["reset", "on", f">{password}", "resetchannels",
-             "+@all", "-@admin", "-@dangerous", "-scan", "-randomkey", "-pubsub|channels",
+             "+@all", "-@admin", "-@dangerous", "-randomkey", "-pubsub|channels",
              "-pubsub|shardchannels", "-script|flush", "-function",
              "-publish", "-spublish"]  # publishing only in the selector below
+    if not blob_prefix:  # a Redis blob store lists blobs with SCAN (names, never values)
+        rules.append("-scan")
     rules += [f"~{k}" for k in own]
     rules += ["%R~_kombu.binding.*",  # routing: which queues an exchange delivers to
               "%W~coordinator", f"%W~coordinator{KOMBU_SEP}*"]  # reconcile_job; it never reads the queue

@@ -216,3 +216,22 @@ def test_command_prints_the_env_and_revokes(make_pool):
         call_command("pool_credentials", pool.slug, "--revoke", stdout=io.StringIO(), stderr=io.StringIO())
     with pytest.raises(psycopg.OperationalError):
         _connect(env)
+
+
+def test_redis_blob_store_on_the_same_server(make_pool, pool_credentials, settings):
+    from trainer.transport import open_store
+
+    settings.BLOB_STORE_URL = os.environ["REDIS_URL"]  # the broker's server, prefix blob:
+    pool = make_pool()
+    env = pool_credentials(pool.slug)
+    assert env["BLOB_STORE_URL"].startswith(f"redis://diloco-pool-{pool.slug}:")
+    store = open_store(env["BLOB_STORE_URL"])
+    key = f"jobs/{pool.slug}/w"
+    try:
+        store.put(key, b"weights")
+        assert store.get(key) == b"weights"
+        assert store.list(f"jobs/{pool.slug}/") == [key]
+    finally:
+        store.delete(key)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        redis.Redis.from_url(env["BLOB_STORE_URL"]).get("asgi:secret")
