@@ -98,8 +98,9 @@ class SitesDrill:
         with Sites(self.tmp, self.site_specs, least_privilege=self.least_privilege) as sites:
             shown = ", ".join(f"{s.name} {s.mbit} Mbit/s x{s.nodes}" for s in self.site_specs)
             self.log(f"sites up: {shown}")
-            base = self.baseline(sites) if self.with_baseline else {}
-            self.faulty(sites, base)
+            if {"partition", "site_loss", "slow_site"} & set(self.faults):
+                base = self.baseline(sites) if self.with_baseline else {}
+                self.faulty(sites, base)
             if "island_node" in self.faults:
                 self.report["island"] = self.island(sites)
         return self.report

@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -118,6 +119,9 @@ class Sites:
             "HEARTBEAT_INTERVAL_S": str(heartbeat_interval_s),
             "HEARTBEAT_TIMEOUT_S": str(heartbeat_timeout_s),
             "DILOCO_CACHE_DIR": os.environ.get("DILOCO_CACHE_DIR") or str(ROOT / "var" / "cache"),
+            # an island's collectives give up after this long: a rank cut off by a partition fails
+            # its island within it (the default, 120 s, suits slow first steps on big models)
+            "ISLAND_TIMEOUT_S": "20",
             **(extra_env or {}),
         }
         self.ctl_env = {
@@ -132,6 +136,7 @@ class Sites:
             "DILOCO_VAR_DIR": str(self.tmp / "ctl-var"),
         }
         self.bootstrap: dict = {}
+        self.pg_dir: Path | None = None
         self._db = None
 
     # ------------------------------------------------------------------ names
@@ -198,6 +203,8 @@ class Sites:
                 self._db.close()
         for ns in netns.names(self.prefix + "-"):
             netns.delete(ns)
+        if self.pg_dir is not None:
+            shutil.rmtree(self.pg_dir, ignore_errors=True)
 
     @staticmethod
     def _kill(proc: Proc, sig: int) -> None:
@@ -258,12 +265,12 @@ class Sites:
         if not bins:
             raise SitesError("PostgreSQL server binaries not found under /usr/lib/postgresql")
         bindir = Path(bins[-1]).parent
-        data = self.tmp / "pg"
-        if data.exists():
-            shutil.rmtree(data)
-        data.mkdir(parents=True)
+        # a folder of its own: the postgres user cannot enter a 0700 parent such as pytest's tmp_path
+        self.pg_dir = Path(tempfile.mkdtemp(prefix="sites-pg-"))
+        data = self.pg_dir / "data"
+        data.mkdir()
+        shutil.chown(self.pg_dir, "postgres", "postgres")
         shutil.chown(data, "postgres", "postgres")
-        os.chmod(self.tmp, 0o755)  # noqa: S103 - the postgres user must reach its data directory
         _run(["runuser", "-u", "postgres", "--", str(bindir / "initdb"), "-D", str(data), "-U", "postgres",
               "--auth=trust", "--no-sync", "-E", "UTF8"], "initdb")
         # the owner only from the control plane; every other role (pools) with a password
