@@ -12,6 +12,7 @@ import importlib
 import inspect
 import math
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -145,9 +146,15 @@ def _load_factory(name: str):
     return factory
 
 
+# The generator torch's initialisers draw from is the process's global one: two threads building
+# at once (the syncer worker runs every job's syncer as a thread) would interleave their draws
+# and both get weights no seed describes. One build at a time per process.
+_BUILD_LOCK = threading.Lock()
+
+
 def build_model(name: str, seq_len: int = 64, seed: int = 0, vocab_size: int = BYTE_VOCAB) -> nn.Module:
     """Build a model with a deterministic initialisation (does not touch the global RNG)."""
-    with torch.random.fork_rng(devices=[]):
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name in PRESETS:
             p = PRESETS[name]
