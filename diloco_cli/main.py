@@ -322,15 +322,19 @@ def _show_dry_run(result: dict, as_json: bool) -> None:
     plan = result["placement"]
     spec = result["spec"]
     devices = int(spec.get("devices_per_learner") or 1)
+    nodes = int(spec.get("nodes_per_learner") or 1)
+    shape = f" x {devices} devices" + (f" over {nodes} nodes" if nodes > 1 else "") if devices > 1 else ""
     out.print(f"spec valid: {spec['name']} ({spec['strategy']}, model {spec['model']}, {spec['learners']} "
-              f"learners{f' x {devices} devices' if devices > 1 else ''}, "
+              f"learners{shape}, "
               f"{_fmt_tokens(result['total_tokens'])} tokens)")
     if plan.get("learners"):
         t = Table(title=f"Placement (objective: {plan.get('objective')})")
-        for col in ("learner", "pool", "H", "wire"):
+        spread = any(row.get("nodes") for row in plan["learners"])  # islands over several nodes
+        for col in ("learner", "pool", "H", "wire", *(("nodes",) if spread else ())):
             t.add_column(col)
         for row in plan["learners"]:
-            t.add_row(str(row["index"]), row["pool"], str(row["work_size"]), row["wire_dtype"])
+            t.add_row(str(row["index"]), row["pool"], str(row["work_size"]), row["wire_dtype"],
+                      *((", ".join(row.get("nodes") or []),) if spread else ()))
         out.print(t)
     est = plan.get("estimate")
     if est:

@@ -295,3 +295,17 @@ def test_a_killed_node_replaces_the_island_whole_with_each_contribution_once(nod
 
 
 ISLAND_DETECT_S = 60  # a killed peer closes its connections: seen at the next collective
+
+
+def test_the_cli_dry_run_shows_the_nodes_of_each_island(live_server, alice, two_nodes):
+    from pathlib import Path
+
+    from apps.api.models import ApiToken
+    from tests.cli.conftest import Cli
+
+    cli = Cli(live_server.url, ApiToken.issue(alice, "multinode")[1])
+    example = Path(__file__).resolve().parents[2] / "examples" / "job.yaml"
+    r = cli("jobs", "submit", example, "--dry-run", "--set", "learners=1", "--set", "quorum=1",
+            "--devices-per-learner", "2", "--set", "nodes_per_learner=2")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "1 learners x 2 devices over 2 nodes" in r.stdout and "mn-0@h, mn-1@h" in r.stdout, r.stdout
