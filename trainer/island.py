@@ -259,6 +259,13 @@ def init_rank(rank: int, world: int, *, port: int | None = None, store=None, dev
         torch.cuda.set_device(torch.device(device))
     if store is None:
         store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout(timeout_s))
+    if not dist.is_initialized():
+        # The default group's name (its keys' prefix in the store) is torch's group counter, which
+        # only a successful destroy_process_group resets. A pool process that led an island which
+        # then failed (teardown's destroy can raise after an abort) would join the next one as
+        # group "1" while fresh follower processes wait under "0": both sides time out. Every
+        # rank of a new world starts from a clean counter.
+        dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout(timeout_s))
 
 
