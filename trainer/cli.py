@@ -131,6 +131,8 @@ def _add_config_options(t: argparse.ArgumentParser) -> None:
         default=d.global_compression,
         help="global updates sent down (none: whole fp32 fragments)",
     )
+    t.add_argument("--compression-density", type=float, default=d.compression_density,
+                   help="share of each chunk the topk2 / topk4 compressions send (0, 0.5]")
     t.add_argument("--max-staleness", type=int, default=d.max_staleness)
     t.add_argument("--grace-cap", type=float, default=d.grace_cap_s, help="seconds")
     t.add_argument("--fragment-mode", choices=FRAGMENT_MODES, default=d.fragment_mode)
@@ -178,6 +180,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         max_tokens=a.max_tokens,
         compression=a.compression,
         global_compression=a.global_compression,
+        compression_density=a.compression_density,
         max_staleness=a.max_staleness,
         grace_cap_s=a.grace_cap,
         fragment_mode=a.fragment_mode,

@@ -79,7 +79,11 @@ def token_budget(learners: int, steps: int, batch_size: int, seq_len: int, max_t
     by_steps = learners * steps * batch_size * seq_len
     return min(by_steps, max_tokens) if max_tokens else by_steps
 
-COMPRESSIONS = ("none", "bf16", "int8", "int4")
+# topk2 / topk4: chunked top-k at `compression_density`, 2- / 4-bit values, error feedback
+# (trainer.compression; docs/engine.md, "Sparse pseudo-gradients")
+COMPRESSIONS = ("none", "bf16", "int8", "int4", "topk2", "topk4")
+DEFAULT_DENSITY = 0.02    # share of each chunk a topk method sends (trainer.compression.DEFAULT_DENSITY)
+MAX_DENSITY = 0.5
 INNER_OPTIMIZERS = ("adamw", "muon")  # muon: Muon for the hidden matrices, AdamW for the rest (MuLoCo)
 INNER_STATES = ("keep", "reset")      # the inner optimizer's state of a fragment on adopting a global
 FRAGMENT_MODES = ("strided", "balanced")
@@ -114,6 +118,7 @@ class TrainConfig:
     steps: int = 400                  # inner steps per learner (budget)
     compression: str = "none"         # wire format of contributions
     global_compression: str = "none"  # wire format of global updates sent down (none: full fp32 fragments)
+    compression_density: float = DEFAULT_DENSITY  # share of each chunk the topk methods send, (0, 0.5]
     max_staleness: int = 4            # versions behind before a contribution is dropped
     grace_cap_s: float = 2.0          # cap of the adaptive grace window
     seed: int = 0
@@ -197,6 +202,10 @@ class TrainConfig:
         need(self.compression in COMPRESSIONS, "compression", f"must be one of {', '.join(COMPRESSIONS)}")
         need(self.global_compression in COMPRESSIONS, "global_compression",
              f"must be one of {', '.join(COMPRESSIONS)}")
+        density = self.compression_density
+        number = isinstance(density, int | float) and not isinstance(density, bool)
+        need(number and 0 < density <= MAX_DENSITY, "compression_density",
+             f"must be in (0, {MAX_DENSITY}]")
         need(self.fragment_mode in FRAGMENT_MODES, "fragment_mode", "must be 'strided' or 'balanced'")
         need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         need(self.grace_cap_s >= 0, "grace_cap_s", "must be >= 0")

@@ -32,6 +32,20 @@ consumer, e.g. the writer thread, encoded it). On CUDA the delta is computed and
 pinned host memory on a side stream with non-blocking copies, overlapped with the next inner
 steps; the contribution carries the copy's event and `Contribution.wait()` (called by
 `to_bytes`, `Syncer.submit`) blocks on it, so the writer thread, not the training loop, waits.
+
+Error feedback (compression topk2 / topk4, `trainer.compression`): a sparse contribution sends
+only the largest values of each chunk, quantized; what it leaves out is kept per fragment in
+`residual` and added to the fragment's next pseudo-gradient before it is compressed:
+    c = (base_p - local_p) + residual_p;  sent = densify(sparsify(c));  residual_p <- c - sent
+The contribution's tensors are `sent` (dense, the exact values the syncer decodes) and it carries
+the sparse entries, so `to_bytes` does not select twice. The residual is folded in when the send
+is settled, not when it is made: until then the learner keeps the entries (`_pending`, small), and
+on adopting the next global version it recomputes c from the same base, snapshot and residual
+(the same operations on the same values: the same bits) and keeps c - sent. A refused send (or
+one a new incarnation forgets) just drops its entries: the residual is still the one before it,
+exactly, and its progress is still in the local weights. `residual` and `_pending` are part of
+`state_dict()`, so a resume continues bit for bit. Per element, c = sent + residual exactly where
+nothing was sent (sent is 0 there) and up to one fp32 rounding of the subtraction where a value was.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.compression import SPARSE_BITS, densify, sparsify
 from trainer.config import TrainConfig
 from trainer.data import Corpus, TokenStream
 from trainer.fragments import make_fragments, sync_schedule
@@ -155,6 +170,10 @@ class Learner:
         self._payload_owner: dict[int, weakref.ref] = {}
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._param_list = [self.params[n] for names in self.fragments for n in names]
+        # error feedback of the sparse compressions (see the module docstring)
+        self._sparse_method = config.compression if config.compression in SPARSE_BITS else None
+        self.residual: dict[int, dict[str, torch.Tensor]] = {}
+        self._pending: dict[int, dict | None] = dict.fromkeys(range(len(self.fragments)))
 
     # -- training ---------------------------------------------------------------------------
     @property
@@ -226,9 +245,14 @@ class Learner:
             self.skipped_sends += 1
             return
         names = self.fragments[p]
+        sparse = None
         with torch.no_grad():
             local = self._snapshot(p)
-            delta, ready = self._delta(p, local)
+            if self._sparse_method is None:
+                delta, ready = self._delta(p, local)
+            else:
+                delta, sparse = self._sparse_delta(p, local)
+                ready = None
         self._sent[p] = dict(zip(names, local, strict=True))
         self._sent_counts[p] = [tokens, steps]
         c = Contribution(
@@ -241,6 +265,7 @@ class Learner:
             inner_steps=steps,
             tensors=dict(zip(names, delta, strict=True)),
             ready=ready,
+            sparse=sparse,
         )
         self._payload_owner[p] = weakref.ref(c)
         self._due.append(c)
@@ -290,6 +315,43 @@ class Learner:
             ready.record(stream)
         return out, ready
 
+    def _compensated(self, p: int, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """(base - local) + residual of fragment p: what a sparse contribution compresses."""
+        names = self.fragments[p]
+        out = [self.base[p][n] - x for n, x in zip(names, local, strict=True)]
+        residual = self.residual.get(p)
+        if residual is not None:
+            torch._foreach_add_(out, [residual[n] for n in names])
+        return out
+
+    def _sparse_delta(self, p: int, local: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
+        """The dense form of the sparse contribution of fragment p, and (method, density, entries).
+        The entries wait in `_pending` until the send is settled (`_fold_residual`)."""
+        names = self.fragments[p]
+        if self._copy_stream is not None:  # a dense send's side stream may still read the base
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        comp = dict(zip(names, self._compensated(p, local), strict=True))
+        method, density = self._sparse_method, self.config.compression_density
+        entries = sparsify(comp, method, density)
+        sent = densify(entries, {n: list(comp[n].shape) for n in names}, method, density)
+        self._pending[p] = entries
+        return [sent[n] for n in names], (method, density, entries)
+
+    @torch.no_grad()
+    def _fold_residual(self, p: int) -> None:
+        """The outstanding sparse send of fragment p is settled: residual <- c - sent, with c
+        recomputed as at the send (base and snapshot are untouched until the adoption)."""
+        entries, self._pending[p] = self._pending[p], None
+        if entries is None or self._sent[p] is None or self._sparse_method is None:
+            return
+        names = self.fragments[p]
+        comp = self._compensated(p, [self._sent[p][n] for n in names])
+        method, density = self._sparse_method, self.config.compression_density
+        sent = densify(entries, {n: list(t.shape) for n, t in zip(names, comp, strict=True)}, method,
+                       density, device=self.device)
+        torch._foreach_sub_(comp, [sent[n] for n in names])
+        self.residual[p] = dict(zip(names, comp, strict=True))
+
     def due_contributions(self) -> list[Contribution]:
         out, self._due = self._due, []
         return out
@@ -302,8 +364,10 @@ class Learner:
 
     def refused(self, p: int) -> None:
         """The syncer refused the outstanding contribution for fragment p: none of it was applied,
-        so the progress stays local and goes out, whole, with the next scheduled contribution."""
+        so the progress stays local and goes out, whole, with the next scheduled contribution
+        (a sparse send's residual stays the one before it)."""
         self._sent[p] = None
+        self._pending[p] = None
 
     def outstanding(self, p: int) -> bool:
         return self._sent[p] is not None
@@ -329,6 +393,7 @@ class Learner:
             )
         if self._copy_stream is not None:  # the side stream may still read base and the snapshot
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        self._fold_residual(p)
         alpha = self.config.mix_alpha
         sent = self._sent[p]
         # lock-step learners (no inner step since the send, or since the last adoption when nothing
@@ -407,6 +472,8 @@ class Learner:
             "work_size": self.work_size,
             "next_work_size": self._next_work_size,
             "due": [c.to_state() for c in self._due],
+            "residual": _cpu_copy(self.residual),
+            "pending": _cpu_copy(self._pending),
         }
 
     def _weights_state(self) -> dict:
@@ -444,7 +511,15 @@ class Learner:
         self.work_size = int(state["work_size"])
         self._next_work_size = state["next_work_size"]
         same_incarnation = int(state["incarnation"]) == self.incarnation
+        self.residual = {  # (states written before the sparse compressions hold none)
+            int(p): {n: t.to(self.device).float().clone() for n, t in d.items()}
+            for p, d in (state.get("residual") or {}).items()
+        }
+        self._pending = dict.fromkeys(range(len(self.fragments)))
         if same_incarnation:
+            self._pending.update({int(p): (None if d is None else {n: tuple(e.clone() for e in v)
+                                                                 for n, v in d.items()})
+                                  for p, d in (state.get("pending") or {}).items()})
             self._sent = {
                 int(p): (None if d is None else {n: t.to(self.device).float().clone() for n, t in d.items()})
                 for p, d in state["sent"].items()

@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from trainer.compression import DEFAULT_MAX_BYTES, InvalidPayload, decode_with_meta, encode, tensor_checksum
+from trainer.compression import (
+    DEFAULT_DENSITY,
+    DEFAULT_MAX_BYTES,
+    InvalidPayload,
+    decode_with_meta,
+    encode,
+    tensor_checksum,
+)
 
 __all__ = ["Contribution", "GlobalFragment", "InvalidPayload", "tensor_checksum"]
 
@@ -63,6 +70,9 @@ class Contribution:
     # a CUDA event while the tensors are still being copied to host memory (the learner's side
     # stream); `wait()` blocks on it and then takes the checksum
     ready: Any = field(default=None, compare=False, repr=False)
+    # (method, density, entries): the sender's own top-k of `tensors` (`compression.sparsify`), which
+    # `tensors` is the dense form of; `to_bytes` with that method sends these entries as they are
+    sparse: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.checksum and self.ready is None:
@@ -97,9 +107,13 @@ class Contribution:
                    fragment=d["fragment"], base_version=d["base_version"], tokens=d["tokens"],
                    inner_steps=d["inner_steps"], tensors=d["tensors"], checksum=d["checksum"])
 
-    def to_bytes(self, compression: str = "none") -> bytes:
+    def to_bytes(self, compression: str = "none", density: float | None = None) -> bytes:
         self.wait()
-        return encode(self.tensors, compression, meta=self.header())
+        if self.sparse is not None and self.sparse[0] == compression:
+            method, own_density, entries = self.sparse
+            return encode(self.tensors, method, meta=self.header(), density=own_density, sparse=entries)
+        return encode(self.tensors, compression, meta=self.header(),
+                      density=DEFAULT_DENSITY if density is None else density)
 
     @classmethod
     def from_bytes(cls, blob: bytes, expected: dict[str, tuple] | None = None,
@@ -141,8 +155,8 @@ class GlobalFragment:
             h["base_version"] = self.base_version
         return h
 
-    def to_bytes(self, compression: str = "none") -> bytes:
-        return encode(self.tensors, compression, meta=self.header())
+    def to_bytes(self, compression: str = "none", density: float = DEFAULT_DENSITY) -> bytes:
+        return encode(self.tensors, compression, meta=self.header(), density=density)
 
     @classmethod
     def from_bytes(cls, blob: bytes, expected: dict[str, tuple] | None = None,

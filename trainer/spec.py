@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.config import (
+    MAX_DENSITY,
     MAX_INNER_PROX,
     TrainConfig,
     default_fragments,
@@ -31,7 +32,7 @@ _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME_RE = re.compile(r"^[\w .,:()+/@-]+$")
 
 Strategy = Literal["decoupled", "diloco"]
-Compression = Literal["none", "bf16", "int8", "int4"]
+Compression = Literal["none", "bf16", "int8", "int4", "topk2", "topk4"]
 Objective = Literal["time", "energy", "cost"]
 InnerParallelism = Literal["ddp", "fsdp"]
 InnerOptimizer = Literal["adamw", "muon"]
@@ -152,6 +153,10 @@ class JobSpec(BaseModel):
         _D["global_compression"],
         description="global updates sent down to learners (none: whole fp32 fragments)",
     )
+    compression_density: float = Field(
+        _D["compression_density"], gt=0, le=MAX_DENSITY,
+        description="share of each chunk of 4,096 values that topk2 / topk4 send (the largest; the rest "
+        "is kept by the sender and goes out later: error feedback)")
     objective: Objective = "time"
     checkpoint_interval: int = Field(10, ge=1, le=100_000, description="outer steps between checkpoints")
     eval_interval: int = Field(5, ge=1, le=100_000, description="outer steps between evaluations")

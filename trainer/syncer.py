@@ -481,7 +481,7 @@ class Syncer:
         names = self.fragments[fragment]
         change = {n: self.params[n] - self.published[n] for n in names}
         update = GlobalFragment(self.job, fragment, new_version, change, base_version=old_version)
-        blob = update.to_bytes(method)
+        blob = update.to_bytes(method, density=self.config.compression_density)
         for n, t in decode(blob).items():
             self.published[n].add_(t.float())
         history = self.updates.setdefault(fragment, {})

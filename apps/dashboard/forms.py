@@ -33,7 +33,8 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
                       "outer_momentum", "outer_momentum_warmup", "outer_momentum_decay", "weight_decay",
                       "inner_prox", "rda", "final_average",
                       "grad_clip", "batch_size", "seq_len", "seed")),
-    ("Placement", ("objective", "compression", "global_compression", "syncer_shards", "pools")),
+    ("Placement", ("objective", "compression", "global_compression", "compression_density",
+                   "syncer_shards", "pools")),
 ]
 
 
