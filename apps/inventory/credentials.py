@@ -94,7 +94,8 @@ def _row_rules(t: dict[str, str], schema: str) -> dict[str, str]:
         t["LearnerRuntime"]: f"learner_id IN {mine}",
         t["Incident"]: f"learner_id IN {mine}",
         t["Job"]: f"id IN {my_jobs}",
-        t["Event"]: f"job_id IN {my_jobs}",
+        # its jobs' events, and its own pool's (a node of an island it leads declared lost)
+        t["Event"]: f"job_id IN {my_jobs} OR (job_id IS NULL AND pool_id = {me})",
     }
 
 

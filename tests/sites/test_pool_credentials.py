@@ -122,6 +122,21 @@ def test_role_cannot_write_another_pools_rows(two_pools):
     assert Learner.objects.get(pk=learner_a.pk).tokens == 7
 
 
+def test_role_writes_events_of_its_jobs_and_its_own_pool_only(two_pools):
+    """A learner's events, and its own pool's (the leader of an island declaring one of its nodes
+    lost: found on the sites harness, where the refused row crashed the learner before its incident)."""
+    a, b, env, seeded = two_pools
+    job_a, job_b = seeded["a"][0], seeded["b"][0]
+    insert = ("INSERT INTO jobs_event (job_id, pool_id, kind, message, payload, time) "
+              "VALUES (%s, %s, 'failed', 'x', '{}', now())")
+    with _connect(env) as conn:
+        conn.execute(insert, [job_a.pk, a.pk])
+        conn.execute(insert, [None, a.pk])  # dispatch.mark_node_lost
+        for job, pool in ((job_b.pk, b.pk), (None, b.pk), (job_b.pk, a.pk), (None, None)):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(insert, [job, pool])
+
+
 def test_pool_token_is_checked_without_reading_the_tokens(two_pools):
     a, b, env, _ = two_pools
     _, raw_a = PoolToken.issue(a)
