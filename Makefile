@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench compare compare-small perf install browser clean sites sites-drill
+.PHONY: demo test lint bench compare compare-small perf install browser clean sites sites-drill wan
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || (echo "need $(PY)"; exit 1)
@@ -75,6 +75,13 @@ sites: $(STAMP)
 sites-drill: $(STAMP)
 	mkdir -p bench/results
 	$(BIN)/python manage.py sites_drill $(if $(SITES_QUICK),--quick,) --json bench/results/sites-drill.json
+
+# The WAN advantage on real processes: decoupled, diloco and data-parallel across three sites at
+# 1000 / 100 / 20 Mbit/s per uplink (needs root; WAN_QUICK=1: 100 and 20, half the budget).
+# Writes bench/results/wan-real.json, .md and .png.
+wan: $(STAMP)
+	mkdir -p bench/results
+	DJANGO_SETTINGS_MODULE=diloco_platform.settings $(BIN)/python -m harness.wan
 
 clean:
 	rm -rf var test-artifacts

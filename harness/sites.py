@@ -82,6 +82,9 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
 
+SPAN_NODE = 99  # the node number, in every site, of the spanning pool's node
+
+
 def node_addr(site_index: int, node: int) -> str:
     return f"10.77.{site_index}.{node}"
 
@@ -92,7 +95,7 @@ class Sites:
     def __init__(self, tmp: Path | str, sites: list[SiteSpec], *, prefix: str | None = None,
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 5.0,
                  extra_env: dict[str, str] | None = None, least_privilege: bool = True,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = 120.0, spanning_pool: str | None = None):
         self.tmp = Path(tmp)
         self.logs = self.tmp / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -100,6 +103,9 @@ class Sites:
         self.index = {s.name: i + 1 for i, s in enumerate(sites)}
         self.prefix = prefix or f"dls{secrets.token_hex(2)}"
         self.least_privilege = least_privilege
+        # a pool with one one-slot node in every site (SPAN_NODE): an island over it spans the sites'
+        # shaped uplinks (the data-parallel baseline of the WAN benchmark)
+        self.spanning_pool = spanning_pool
         self.start_timeout = start_timeout
         self.procs: dict[str, Proc] = {}
         self.redis_password = secrets.token_hex(12)
@@ -184,6 +190,8 @@ class Sites:
                  self._spawn_ctl(processes.syncer(processes.SYNCER_SLOTS_DEFAULT, python=PY, extra=QUIET))]
         for site in self.sites:
             names += self.start_site(site, wait=False)
+            if self.spanning_pool:
+                names.append(self.start_node(site, SPAN_NODE, wait=False))
         names.append(self._spawn_ctl(processes.beat(schedule=str(self.tmp / "beat-schedule"), python=PY)))
         for name in names:
             self.wait_ready(name)
@@ -233,7 +241,7 @@ class Sites:
             netns.attach(sw, "wan0")
             netns.attach(wan_ns, up)
             self.shape(site, spec.mbit)
-            for j in range(1, spec.nodes + 1):
+            for j in [*range(1, spec.nodes + 1), *([SPAN_NODE] if self.spanning_pool else [])]:
                 ns = self.node_ns(site, j)
                 netns.add(ns)
                 netns.veth(ns, "eth0", sw, f"n{j}")
@@ -305,6 +313,9 @@ class Sites:
         _run(["ip", "netns", "exec", self.ctl, PY, "manage.py", "migrate", "--noinput", "-v", "0"],
              "migrate", env=self.ctl_env)
         pools = {s: {"devices": spec.nodes * spec.slots, "mbit": spec.mbit} for s, spec in self.sites.items()}
+        if self.spanning_pool:
+            pools[self.spanning_pool] = {"devices": len(self.sites), "mbit": min(
+                (s.mbit for s in self.sites.values() if s.mbit), default=None)}
         out = _run(["ip", "netns", "exec", self.ctl, PY, "-m", "harness.bootstrap", json.dumps(
             {"pools": pools, "least_privilege": self.least_privilege})], "bootstrap", env=self.ctl_env)
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -324,9 +335,9 @@ class Sites:
     def _spawn_ctl(self, spec: processes.ProcessSpec, env: dict[str, str] | None = None) -> str:
         return self._spawn(spec.name, self.ctl, list(spec.argv), {**self.ctl_env, **(env or {}), **spec.env})
 
-    def worker_env(self, site: str, j: int) -> dict[str, str]:
+    def worker_env(self, site: str, j: int, pool_slug: str | None = None) -> dict[str, str]:
         """A pool node's variables, exactly those docs/operations.md lists for another host."""
-        pool = self.bootstrap["pools"][site]
+        pool = self.bootstrap["pools"][pool_slug or site]
         var = self.tmp / f"{self.node_ns(site, j)}-var"
         return {
             **self.env,
@@ -339,14 +350,15 @@ class Sites:
         }
 
     def worker_name(self, site: str, j: int) -> str:
-        return f"{site}-n{j}"
+        return f"{self.spanning_pool}-{site}" if j == SPAN_NODE else f"{site}-n{j}"
 
     def start_node(self, site: str, j: int, *, wait: bool = True) -> str:
-        spec, pool = self.sites[site], self.bootstrap["pools"][site]
+        slug = self.spanning_pool if j == SPAN_NODE else site
+        slots = 1 if j == SPAN_NODE else self.sites[site].slots
         name = self.worker_name(site, j)
-        ps = processes.pool_worker(site, spec.slots, name=name, node=f"{name}@%h", token=pool["token"],
-                                   python=PY, extra=QUIET)
-        self._spawn(name, self.node_ns(site, j), list(ps.argv), {**self.worker_env(site, j), **ps.env})
+        ps = processes.pool_worker(slug, slots, name=name, node=f"{name}@%h",
+                                   token=self.bootstrap["pools"][slug]["token"], python=PY, extra=QUIET)
+        self._spawn(name, self.node_ns(site, j), list(ps.argv), {**self.worker_env(site, j, slug), **ps.env})
         if wait:
             self.wait_ready(name)
         return name
