@@ -34,7 +34,8 @@ def test_gaps_are_the_longest_stretch_between_outer_steps():
 
 def test_speedups_compare_each_strategy_with_data_parallel_at_its_bandwidth():
     runs = [{"strategy": "data-parallel", "bandwidth_mbit": 20, "time_to_target_s": 400.0,
-             "bytes_per_token": 900.0, "final_loss": 3.0, "wall_s": 400, "uplink_bytes": 9e8, "status": "completed"},
+             "bytes_per_token": 900.0, "final_loss": 3.0, "wall_s": 400, "uplink_bytes": 9e8,
+             "status": "completed"},
             {"strategy": "decoupled", "bandwidth_mbit": 20, "time_to_target_s": 20.0, "bytes_per_token": 3.0,
              "final_loss": 2.9, "wall_s": 30, "uplink_bytes": 3e6, "status": "completed"},
             {"strategy": "diloco", "bandwidth_mbit": 20, "time_to_target_s": None, "bytes_per_token": 3.0,
