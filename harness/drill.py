@@ -18,15 +18,18 @@ from pathlib import Path
 
 from .sites import Sites, SitesError, SiteSpec
 
-SITES = [SiteSpec("s1", 1000, nodes=3, slots=1), SiteSpec("s2", 100, nodes=1, slots=2),
-         SiteSpec("s3", 20, nodes=1, slots=2)]
+# Two slots a site (room to move a lost learner), the job on s1-s3; s4 (three one-slot nodes) for
+# the island, which needs two nodes and a third to move to.
+SITES = [SiteSpec("s1", 1000, nodes=1, slots=2), SiteSpec("s2", 100, nodes=1, slots=2),
+         SiteSpec("s3", 20, nodes=1, slots=2), SiteSpec("s4", 1000, nodes=3, slots=1)]
 SPEC = {
     "name": "sites drill", "model": "tiny", "learners": 3, "quorum": 1, "inner_steps": 8, "fragments": 1,
-    "steps": 480, "batch_size": 8, "seq_len": 32, "warmup_steps": 4, "eval_interval": 8,
-    "checkpoint_interval": 16, "grace_cap_s": 0.5, "seed": 5,
+    "steps": 2000, "batch_size": 8, "seq_len": 32, "warmup_steps": 4, "eval_interval": 8,
+    "checkpoint_interval": 16, "grace_cap_s": 0.5, "seed": 5, "pools": ["s1", "s2", "s3"],
 }
+QUICK_STEPS = 800
 ISLAND_SPEC = {**SPEC, "name": "sites drill (island)", "learners": 1, "devices_per_learner": 2,
-               "nodes_per_learner": 2, "steps": 120}
+               "nodes_per_learner": 2, "steps": 120, "pools": ["s4"]}
 TERMINAL = ("completed", "failed", "cancelled")
 
 
@@ -42,7 +45,7 @@ class SitesDrill:
         self.quick = quick
         self.log = log
         self.site_specs = sites or [SiteSpec(s.name, s.mbit, s.nodes, s.slots) for s in SITES]
-        self.spec = dict(spec or SPEC)
+        self.spec = dict(spec or (SPEC if not quick else {**SPEC, "steps": QUICK_STEPS}))
         self.partition_s = partition_s if partition_s is not None else (20.0 if quick else 60.0)
         self.faults = faults
         self.report: dict = {"quick": quick, "spec": self.spec, "faults": [], "incidents": [],
@@ -121,9 +124,9 @@ class SitesDrill:
         job = sites.submit(self.spec)
         self.wait(sites, lambda: self.job(sites, job)["outer_steps"] >= 2, 180, "outer steps")
         if "partition" in self.faults:
-            self.partition(sites, job, "s2")
+            self.partition(sites, job, self.victim_site(sites, job, avoid={"s1"}))
         if "site_loss" in self.faults and self.job(sites, job)["status"] == "running":
-            self.site_loss(sites, job, "s3")
+            self.site_loss(sites, job, self.victim_site(sites, job, avoid={"s1", "s2"}))
         if "slow_site" in self.faults and self.job(sites, job)["status"] == "running":
             self.slow_site(sites, job)
         row = self.wait_end(sites, job, 1200)
@@ -136,6 +139,11 @@ class SitesDrill:
 
     def _incidents_for(self, sites: Sites, job: int, pool: str, since: float) -> list[dict]:
         return [i for i in self.incidents(sites, job) if i["pool"] == pool and i["detected_at"] >= since]
+
+    def victim_site(self, sites: Sites, job: int, avoid: set[str]) -> str:
+        """A site running learners of the job, outside `avoid` when one is (else the last site)."""
+        busy = [lr["pool"] for lr in self.learners(sites, job) if lr["pool"] and lr["state"] == "running"]
+        return next((s for s in busy if s not in avoid), busy[-1] if busy else list(sites.sites)[-1])
 
     def partition(self, sites: Sites, job: int, site: str) -> None:
         """The site's uplink down for partition_s, then up: lost, moved, fenced, back."""
@@ -205,7 +213,7 @@ class SitesDrill:
         nodes = sites.sql("select n.worker_name from jobs_learner l "
                           "join inventory_node n on n.id = l.node_id where l.job_id=%s", [job])
         rank0 = nodes[0][0].split("@")[0] if nodes else None
-        site = "s1"
+        site = ISLAND_SPEC["pools"][0]
         others = [j for j in range(1, sites.sites[site].nodes + 1) if sites.worker_name(site, j) != rank0]
         victim = others[0] if others else 2
         before = self.learners(sites, job)[0]["incarnation"]

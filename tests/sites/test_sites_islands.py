@@ -23,11 +23,11 @@ SPEC = {**ISLAND_SPEC, "name": "island over namespaces", "steps": 96, "inner_ste
 
 def test_island_over_two_nodes_matches_one_node_and_is_replaced_whole(tmp_path):
     drill = SitesDrill(tmp_path, quick=True, faults=("island_node",), least_privilege=True)
-    with Sites(tmp_path, [SiteSpec("s1", 1000, nodes=3, slots=1), SiteSpec("s2", 1000, nodes=1, slots=2)],
+    with Sites(tmp_path, [SiteSpec("s4", 1000, nodes=3, slots=1), SiteSpec("s2", 1000, nodes=1, slots=2)],
                least_privilege=True) as sites:
-        spread = sites.submit({**SPEC, "nodes_per_learner": 2})   # only s1 has two nodes
+        spread = sites.submit({**SPEC, "nodes_per_learner": 2})   # s4: three one-slot nodes
         a = drill.wait_end(sites, spread, 900)
-        local = sites.submit({**SPEC, "nodes_per_learner": 1})    # only s2 has two slots on a node
+        local = sites.submit({**SPEC, "nodes_per_learner": 1, "pools": ["s2"]})  # two slots on one node
         b = drill.wait_end(sites, local, 900)
         nodes = sites.sql("select distinct n.worker_name from jobs_learner l join inventory_node n "
                           "on n.id = l.node_id where l.job_id=%s", [spread])
@@ -35,9 +35,9 @@ def test_island_over_two_nodes_matches_one_node_and_is_replaced_whole(tmp_path):
         assert a["status"] == b["status"] == "completed", (a["status_reason"], b["status_reason"])
         assert a["tokens_contributed"] == b["tokens_contributed"]
         assert abs(a["final_val_loss"] - b["final_val_loss"]) <= 0.01 * b["final_val_loss"]
-        assert nodes and nodes[0][0].startswith("s1-")
+        assert nodes and nodes[0][0].startswith("s4-")
 
-        report = drill.island(sites)   # an island of s1 with one node cut from the switch
+        report = drill.island(sites)   # an island of s4 with one node cut from the switch
     print(json.dumps(report, default=str))
     assert report["status"] == "completed"
     assert report["duplicates_applied"] == 0
