@@ -134,6 +134,15 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # A host cut off from the database (a partition between sites) must not leave its connections
+    # waiting on TCP's retransmission backoff, which reached a minute after a 60 s partition in the
+    # sites drill: unacknowledged data fails after DB_TCP_USER_TIMEOUT_S, idle connections are
+    # probed, and the next query reconnects once the link is back.
+    DATABASES["default"].setdefault("OPTIONS", {}).update({
+        "connect_timeout": env.int("DB_CONNECT_TIMEOUT_S", default=10),
+        "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+        "tcp_user_timeout": int(env.float("DB_TCP_USER_TIMEOUT_S", default=20) * 1000),
+    })
     # A connection pool per process (psycopg_pool, Django's OPTIONS["pool"]): the web process
     # turns it on (gunicorn_conf), since under ASGI each request runs on a thread of its own and
     # would otherwise open a PostgreSQL connection of its own (docs/configuration.md, DB_POOL).
