@@ -70,6 +70,8 @@ class Wan:
         curve = [(float(t) - t0, float(v)) for t, v in sites.sql(
             "select extract(epoch from time), value from jobs_metricpoint where job_id=%s "
             "and name='val_loss' and learner_id is null order by time", [job])]
+        learner_tok_s = sites.sql("select avg(value) from jobs_metricpoint where job_id=%s "
+                                  "and name = 'tokens_per_s' and learner_id is not null", [job])[0][0]
         goal = target if target is not None else (final * 1.01 if final else None)
         reached = next((t for t, v in curve if goal is not None and v <= goal), None)
         wall = float(end) - t0 if end else None
@@ -79,6 +81,7 @@ class Wan:
                "uplink_bytes": used, "tokens": int(tokens or 0),
                "bytes_per_token": round(used / tokens, 1) if tokens else None,
                "tokens_per_s": round(tokens / wall, 1) if tokens and wall else None,
+               "learner_tokens_per_s": round(float(learner_tok_s), 1) if learner_tok_s else None,
                "final_loss": final, "val_loss_curve": [(round(t, 2), round(v, 4)) for t, v in curve]}
         if status != "completed":
             row["reason"] = reason
@@ -102,6 +105,28 @@ class Wan:
         return self.runs
 
 
+def add_simulated(runs: list[dict], steps: int, seed: int, log=print) -> None:
+    """Beside each measured row, the simulator's time to target for the same fleet (devices at the
+    step time decoupled's learners measured at that bandwidth, links at the shaped rate)."""
+    from .wan_sim import simulate
+
+    names = {"data-parallel": "ddp", "diloco": "diloco", "decoupled": "decoupled"}
+    for mbit in sorted({r["bandwidth_mbit"] for r in runs}, reverse=True):
+        at = {r["strategy"]: r for r in runs if r["bandwidth_mbit"] == mbit}
+        tok_s = (at.get("decoupled") or {}).get("learner_tokens_per_s")
+        if not tok_s:
+            continue
+        step = 8 * 32 / tok_s
+        sim = simulate(mbit, step, steps, seed)
+        for name, row in at.items():
+            got = sim.get(names[name], {})
+            row["simulated"] = {**got, "step_time_s": round(step, 4), "label": "model-based estimate"}
+            t_sim, t_real = got.get("time_to_target_s"), row.get("time_to_target_s")
+            row["simulated"]["difference"] = round(t_sim / t_real - 1, 3) if t_sim and t_real else None
+        log(f"  simulated at {mbit} Mbit/s (step {step * 1000:.0f} ms): "
+            + ", ".join(f"{k} {v['time_to_target_s']}" for k, v in sim.items()))
+
+
 def speedups(runs: list[dict]) -> list[dict]:
     """Per bandwidth: data-parallel's time to its target over each strategy's, and bytes per token ratio."""
     out = []
@@ -121,15 +146,17 @@ def speedups(runs: list[dict]) -> list[dict]:
 
 
 def markdown(runs: list[dict], ratios: list[dict]) -> str:
-    lines = ["| strategy | Mbit/s per site | time to target (s) | wall (s) | uplink MB | bytes/token | "
-             "final loss |", "|---|---|---|---|---|---|---|"]
+    lines = ["| strategy | Mbit/s per site | time to target (s) | simulated (s, estimate) | wall (s) | "
+             "uplink MB | bytes/token | final loss |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         head = f"| {r['strategy']} | {r['bandwidth_mbit']:g} |"
         if r["final_loss"] is None:
-            lines.append(f"{head} - | - | - | - | {r['status']} |")
+            lines.append(f"{head} - | - | - | - | - | {r['status']} |")
             continue
-        lines.append(f"{head} {r['time_to_target_s']} | {r['wall_s']} | {r['uplink_bytes'] / 1e6:.1f} | "
-                     f"{r['bytes_per_token']} | {r['final_loss']:.4f} |")
+        sim = (r.get("simulated") or {}).get("time_to_target_s")
+        sim = f"{sim:.1f}" if sim is not None else "-"
+        lines.append(f"{head} {r['time_to_target_s']} | {sim} | {r['wall_s']} | "
+                     f"{r['uplink_bytes'] / 1e6:.1f} | {r['bytes_per_token']} | {r['final_loss']:.4f} |")
     lines += ["", "| Mbit/s | strategy | reaches data-parallel's target ... x sooner | "
                   "... x fewer bytes per token |", "|---|---|---|---|"]
     lines += [f"| {x['bandwidth_mbit']:g} | {x['strategy']} | {x['sooner_x']} | "
@@ -167,6 +194,8 @@ def main() -> int:
     wan = Wan(tempfile.mkdtemp(prefix="wan-"), bandwidths=bandwidths, steps=steps,
               log=lambda m: print(m, flush=True))
     runs = wan.run()
+    if not os.environ.get("WAN_NO_SIM"):
+        add_simulated(runs, steps, wan.seed, log=lambda m: print(m, flush=True))
     ratios = speedups(runs)
     report = {"quick": quick, "steps_per_learner": steps, "model": "tiny", "sites": list(SITES),
               "note": "measured on one machine's 2 CPU cores shared by every site; links shaped with tc tbf "

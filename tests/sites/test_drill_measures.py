@@ -44,4 +44,4 @@ def test_speedups_compare_each_strategy_with_data_parallel_at_its_bandwidth():
     assert [(r["strategy"], r["sooner_x"], r["fewer_bytes_per_token_x"]) for r in ratios] == [
         ("decoupled", 20.0, 300.0), ("diloco", None, 300.0)]
     table = markdown(runs, ratios)
-    assert "| decoupled | 20 | 20.0 |" in table and "| diloco | 20 | - | - | - | - | failed |" in table
+    assert "| decoupled | 20 | 20.0 |" in table and "| diloco | 20 | - | - | - | - | - | failed |" in table
