@@ -16,12 +16,26 @@ import json
 import statistics
 import sys
 
+# How bench/results/sparse.json was made (docs/engine.md, "Sparse pseudo-gradients"): three parts in
+# parallel, two more variants, then --merge.
+RECIPE = [
+    "for i in 0 1 2; do python -m bench.sparse_compare --seeds 0,1,2 --steps 200 --part $i/3 "
+    "--rows /tmp/sparse/rows$i.json & done; wait",
+    "python -m bench.sparse_compare --variants topk4-20% --seeds 0,1,2 --steps 200 "
+    "--rows /tmp/sparse/rows3.json",
+    "python -m bench.sparse_compare --variants topk2-10% --seeds 0,1,2 --steps 200 "
+    "--rows /tmp/sparse/rows4.json",
+    "python -m bench.sparse_compare --steps 200 --merge /tmp/sparse/rows{0,1,2,3,4}.json "
+    "--json bench/results/sparse.json --markdown bench/results/sparse.md",
+]
 VARIANTS = {
     "none": ("none", "none", 0.02),
     "int4": ("int4", "int4", 0.02),
     "topk4-2%": ("topk4", "int4", 0.02),
     "topk2-2%": ("topk2", "int4", 0.02),
     "topk4-5%": ("topk4", "int4", 0.05),
+    "topk2-10%": ("topk2", "int4", 0.1),
+    "topk4-20%": ("topk4", "int4", 0.2),
     "topk4-2%/down": ("topk4", "topk4", 0.02),
 }
 
@@ -59,7 +73,8 @@ def summarise(rows: list[dict], config: dict) -> dict:
     ddp_per_token = 2 * (M - 1) * 4 * params / (M * B * S)
     none = {r["seed"]: r["final_val_loss"] for r in rows if r["variant"] == "none"}
     out = {}
-    for v in dict.fromkeys(r["variant"] for r in rows):
+    present = {r["variant"] for r in rows}
+    for v in [v for v in VARIANTS if v in present]:
         rs = [r for r in rows if r["variant"] == v]
         losses = [r["final_val_loss"] for r in rs]
         per_tok = [(r["bytes_up"] + r["bytes_down"]) / r["tokens"] for r in rs]
@@ -123,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(model="tiny", learners=4, inner_steps=20, steps=a.steps, eval_batches=32).to_dict()
     args = " ".join(argv if argv is not None else sys.argv[1:])
     variants = {v: list(VARIANTS[v]) for v in dict.fromkeys(r["variant"] for r in rows)}
-    doc = {"command": f"python -m bench.sparse_compare {args}", "config": config, "variants": variants,
+    doc = {"command": f"python -m bench.sparse_compare {args}", "produced_by": RECIPE, "config": config,
+           "variants": variants,
            **summarise(rows, config), "runs": rows}
     text = table(doc)
     print(text)
