@@ -99,7 +99,9 @@ def table(doc: dict) -> str:
              "bytes/token (up) | x fewer than ddp |", "|---|---|---|---|---|"]
     for v, s in doc["summary"].items():
         comp, glob, d = VARIANTS[v]
-        gap = "-" if v == "none" else f"{s['mean_gap_vs_none']:+.2%} ({s['max_gap_vs_none']:+.2%})"
+        gap = "-"
+        if v != "none" and s["mean_gap_vs_none"] is not None:
+            gap = f"{s['mean_gap_vs_none']:+.2%} ({s['max_gap_vs_none']:+.2%})"
         dens = f", {d:g}" if comp.startswith("topk") else ""
         lines.append(f"| {v} ({comp} / {glob}{dens}) | {s['mean_val_loss']:.4f} +- {s['sd_val_loss']:.4f} "
                      f"({s['min_val_loss']:.4f}-{s['max_val_loss']:.4f}) | {gap} | "
