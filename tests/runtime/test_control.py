@@ -152,3 +152,28 @@ def test_synchronous_diloco_waits_for_every_learner(owner):
     assert train_config(job).quorum == 3
     job.spec = {**TINY, "learners": 3, "quorum": 1}
     assert train_config(job).quorum == 1
+
+
+@pytest.mark.parametrize("left_beta_recently", [False, True])
+def test_rebalancer_does_not_send_a_learner_back_to_a_pool_it_just_left(owner, pools, left_beta_recently):
+    """beta measures ten times alpha's speed and has a free slot: learner 0 moves there, unless it
+    left beta a moment ago (no ping-pong between pools whose measured speeds wobble)."""
+    Pool.objects.filter(slug="beta").update(device_count=2)
+    job = Job.objects.create(owner=owner, name="m", spec={**TINY, "learners": 2, "quorum": 1},
+                             status=st.RUNNING, outer_steps=3)
+    old = timezone.now() - timedelta(seconds=60)
+    for index, slug, speed in ((0, "alpha", 100.0), (1, "beta", 1000.0)):
+        lr = Learner.objects.create(job=job, index=index, incarnation=1, pool=pools[slug], started_at=old,
+                                    state=Learner.State.RUNNING, last_heartbeat=timezone.now(),
+                                    tokens_per_s=speed)
+        LearnerRuntime.objects.create(learner=lr)
+    if left_beta_recently:
+        Event.objects.create(job=job, kind=Event.Kind.REBALANCED, message="learner 0 moves beta → alpha",
+                             payload={"learner": 0, "from": "beta", "to": "alpha"},
+                             time=timezone.now() - timedelta(seconds=control.MOVE_COOLDOWN_S + 5))
+    out = control.rebalance()
+    moved = LearnerRuntime.objects.get(learner__job=job, learner__index=0).move_to
+    if left_beta_recently:
+        assert out["moves"] == 0 and moved is None
+    else:
+        assert out["moves"] == 1 and moved.slug == "beta"
