@@ -50,3 +50,18 @@ def test_a_learner_sees_a_version_only_once_it_arrived():
     wire.arrived(0, 3, 1)
     wire.arrived(0, 2, 1)  # an older download arriving late changes nothing
     assert keys.parse_head(wire.get(keys.head_key("j"))) == ({0: 3}, {0: 1})
+
+
+def test_sparse_methods_have_a_wire_rate():
+    """The top-k methods of trainer.compression price like their payloads: offsets, codes, scales."""
+    import torch
+
+    from trainer.compression import encode
+    from trainer.sim.fleet import wire_bytes_per_param
+
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(64 * 4096)}
+    for method in ("topk2", "topk4"):
+        real = len(encode(tensors, method)) / tensors["w"].numel()
+        model = wire_bytes_per_param(method)
+        assert abs(model - real) / real < 0.05, (method, model, real)

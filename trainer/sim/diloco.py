@@ -28,7 +28,7 @@ from trainer.runtime.syncer_host import Commit, LearnerView
 from trainer.runtime.syncer_loop import SyncerLoop
 from trainer.runtime.writer import InlineWriter
 from trainer.sim.events import EventQueue
-from trainer.sim.fleet import WIRE_BYTES_PER_PARAM
+from trainer.sim.fleet import wire_bytes_per_param
 from trainer.sim.moves import rebalance_moves, redispatch_moves, relocate, resize
 from trainer.sim.state import SimRun, SimSpec
 from trainer.sim.wire import LazyStore, LearnerWire, land
@@ -265,7 +265,7 @@ class _DilocoSim:
     # -- the wire --------------------------------------------------------------------------
     def upload(self, i: int, p: int, t: float) -> float:
         """Arrival time of learner i's contribution for fragment p, sent up its pool's link now."""
-        nbytes = self.frag_params[p] * WIRE_BYTES_PER_PARAM[self.comp]
+        nbytes = self.frag_params[p] * wire_bytes_per_param(self.comp, self.cfg.compression_density)
         return self.run.links[self.run.islands[i].pool.slug].send(t, nbytes, "up")
 
     def land_at(self, t: float, key: str, blob) -> None:
@@ -281,8 +281,9 @@ class _DilocoSim:
         # the compressed updates since the version the learner holds while they cost less than
         # the whole fragment (as the runtime's learners fetch them), else the whole fragment
         chain = syncer.global_updates(p, have) or []
-        whole_bytes = self.frag_params[p] * WIRE_BYTES_PER_PARAM["none"]
-        chain_bytes = len(chain) * self.frag_params[p] * WIRE_BYTES_PER_PARAM[self.cfg.global_compression]
+        whole_bytes = self.frag_params[p] * wire_bytes_per_param("none")
+        down = wire_bytes_per_param(self.cfg.global_compression, self.cfg.compression_density)
+        chain_bytes = len(chain) * self.frag_params[p] * down
         nbytes = chain_bytes if chain and chain_bytes < whole_bytes else whole_bytes
         arr = self.run.links[self.run.islands[j].pool.slug].send(t, nbytes, "down")
         self.downloading.add((j, p))
@@ -304,8 +305,8 @@ class _DilocoSim:
         transfer over the fastest link (keeps runs deterministic)."""
         syncer = self.syncer
         syncer.xi_sync.value = self._xi_sync
-        syncer.observe(transfer_time=self.frag_params[c.fragment] * WIRE_BYTES_PER_PARAM[self.comp]
-                       / self.max_link_bps)
+        up = wire_bytes_per_param(self.comp, self.cfg.compression_density)
+        syncer.observe(transfer_time=self.frag_params[c.fragment] * up / self.max_link_bps)
         self._xi_sync = syncer.xi_sync.value
         self.merges += 1
         for j in range(self.M):

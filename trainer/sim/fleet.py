@@ -15,8 +15,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from trainer import catalogue
+from trainer.compression import DEFAULT_DENSITY, SPARSE_BITS, SPARSE_CHUNK
 
 WIRE_BYTES_PER_PARAM = {"none": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+def wire_bytes_per_param(method: str, density: float = DEFAULT_DENSITY) -> float:
+    """Bytes per parameter of a payload: the dense methods' fixed rate; the top-k methods send
+    `density` of each chunk as a uint16 offset plus a 2- or 4-bit code, and one fp32 scale a chunk."""
+    if method in WIRE_BYTES_PER_PARAM:
+        return WIRE_BYTES_PER_PARAM[method]
+    return density * (2 + SPARSE_BITS[method] / 8) + 4 / SPARSE_CHUNK
 
 
 @dataclass
