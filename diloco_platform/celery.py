@@ -5,6 +5,7 @@ the threads the watchdog needs."""
 from __future__ import annotations
 
 import os
+import re
 
 from celery import Celery
 
@@ -56,5 +57,7 @@ def pool_queue(slug: str) -> str:
 
 def node_queue(slug: str, worker: str) -> str:
     """Name of the queue only worker `worker` of pool `slug` consumes (apps.inventory.worker adds it):
-    the ranks of a learner island over several nodes go to the nodes placement chose."""
-    return f"pool.{slug}.node.{worker}"
+    the ranks of a learner island over several nodes go to the nodes placement chose. A worker's
+    name holds '@' (`cpu-new@host`), which the filesystem broker refuses in a queue's exchange
+    name (the embedded demo's workers died at start): anything outside [A-Za-z0-9._-] becomes '_'."""
+    return f"pool.{slug}.node.{re.sub(r'[^A-Za-z0-9._-]', '_', worker)}"

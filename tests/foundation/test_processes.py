@@ -148,3 +148,15 @@ def test_web_workers_freeze_their_startup_heap_after_loading_every_view():
         assert "apps.api.views.jobs" in sys.modules
     finally:
         gc.unfreeze()
+
+
+def test_node_queue_names_suit_every_broker():
+    """A worker's name holds '@'; the filesystem broker (the embedded default) refuses it in an
+    exchange name, and each node queue is its own exchange."""
+    import re
+
+    from diloco_platform.celery import node_queue
+
+    name = node_queue("cpu-new", "cpu-new@vm.example")
+    assert name == "pool.cpu-new.node.cpu-new_vm.example"
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", name)

@@ -133,7 +133,7 @@ def test_the_dry_run_shows_the_nodes_dispatch_reserves(alice, two_nodes):
     with mock.patch("diloco_platform.celery.send") as send, \
             mock.patch("django.db.transaction.on_commit", side_effect=lambda fn: fn()):
         dispatch(learner, two_nodes)
-    assert send.call_args.kwargs["queue"] == "pool.mn.node.mn-0@h"
+    assert send.call_args.kwargs["queue"] == "pool.mn.node.mn-0_h"
     assert LearnerRuntime.objects.get(learner=learner).island_nodes == ["mn-0@h", "mn-1@h"]
     assert nodes_free(["mn"]) == {"mn": {"mn-0@h": 0, "mn-1@h": 0}}
     assert nodes_free(["mn"], exclude_learner=learner) == {"mn": {"mn-0@h": 1, "mn-1@h": 1}}
